@@ -1,0 +1,96 @@
+"""Communicators: the only way merge rules see workers other than their own.
+
+A run has R = world_size x K workers: K simulated workers live in each process. Merge
+rules receive the K local deltas of one parameter and a communicator, and reach the other
+processes' workers only through the collectives below. Writing each rule once against this
+interface lets the same code serve the one-process simulator and a `torch.distributed` job,
+and lets each rule pick the cheapest collective that is still exact.
+
+Every collective counts the bytes it would send per worker, so the traffic of a rule can
+be measured the same way in every layout.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Communicator(ABC):
+    """Collectives over all R workers of a run, seen from one process holding K of them."""
+
+    def __init__(self) -> None:
+        #: Bytes one worker sends during the current accounting period (see `reset_bytes`).
+        self.bytes_sent_per_worker = 0
+
+    @property
+    @abstractmethod
+    def num_workers(self) -> int:
+        """R: the number of workers in the whole run."""
+
+    @property
+    @abstractmethod
+    def local_worker_ids(self) -> list[int]:
+        """Global indices (0..R-1) of the workers held by this process, in order."""
+
+    @abstractmethod
+    def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) of one tensor over processes; identity with one process."""
+
+    @abstractmethod
+    def _gather_across_processes(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """All-gather of equally shaped per-worker tensors, ordered by global worker id."""
+
+    def sum(self, local: list[torch.Tensor]) -> torch.Tensor:
+        """Sum over all R workers of one tensor each (one all-reduce of one tensor)."""
+        # Accumulate in place: stacking R full matrices would cost R times the memory.
+        total = local[0].clone()
+        for tensor in local[1:]:
+            total.add_(tensor)
+        self._count(total)
+        return self._sum_across_processes(total)
+
+    def mean(self, local: list[torch.Tensor]) -> torch.Tensor:
+        """Mean over all R workers of one tensor each (one all-reduce)."""
+        return self.sum(local).div_(self.num_workers)
+
+    def gather(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every worker's tensor, ordered by global worker id (an all-gather).
+
+        Meant for small tensors (low-rank factors); all workers' tensors must share a shape.
+        """
+        self._count(local[0])
+        return self._gather_across_processes(local)
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        self.bytes_sent_per_worker += tensor.numel() * tensor.element_size()
+
+    def reset_bytes(self) -> int:
+        """Return the bytes counted since the last reset, and start a new period."""
+        sent, self.bytes_sent_per_worker = self.bytes_sent_per_worker, 0
+        return sent
+
+
+class LocalCommunicator(Communicator):
+    """All R workers live in this process: collectives are local reductions."""
+
+    def __init__(self, num_workers: int) -> None:
+        super().__init__()
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self._num_workers = num_workers
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @property
+    def local_worker_ids(self) -> list[int]:
+        return list(range(self._num_workers))
+
+    def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def _gather_across_processes(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(tensors)

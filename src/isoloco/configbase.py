@@ -1,0 +1,51 @@
+"""Shared machinery for typed configs: a documented field and range checks.
+
+Each component owns a dataclass config whose fields are declared with `option`, which
+keeps the one-line doc beside the default so `isoloco train --help` can list every key.
+User errors raise `ConfigError` (a `ValueError`) that names the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key and the fix."""
+
+
+def option(default: Any, doc: str, choices: Iterable[Any] | None = None) -> Any:
+    """A dataclass field with its one-line doc (and allowed values, when a closed set)."""
+    metadata = {"doc": doc}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def check_positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{key}={value!r} is not allowed: it must be > 0")
+
+
+def check_at_least(key: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key}={value!r} is not allowed: it must be >= {minimum}")
+
+
+def check_range(key: str, value: float, low: float, high: float, *, low_open: bool, high_open: bool) -> None:
+    """Check low <(=) value <(=) high; the message shows the interval in math notation."""
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ConfigError(f"{key}={value!r} is not allowed: it must be in {interval}")
+
+
+def check_choice(key: str, value: Any, choices: Iterable[Any]) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        allowed = ", ".join(str(c) for c in choices)
+        raise ConfigError(f"{key}={value!r} is not allowed: choose one of {allowed}")
