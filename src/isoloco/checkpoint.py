@@ -1,0 +1,182 @@
+"""Checkpoints: safetensors for tensors, JSON for the rest, written atomically and verified.
+
+A checkpoint is a directory `OUT/checkpoints/step_XXXXXXXX/`. It is written under a
+temporary name and renamed into place only once every file is complete and synced, so a
+run killed at any moment leaves either the previous checkpoints alone or a finished new
+one. `state.json` records a SHA-256 per tensor file; loading checks them, so a damaged
+checkpoint is reported (and skipped for the previous one) instead of resuming from garbage.
+Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+STATE_FILE = "state.json"
+_PREFIX = "step_"
+_TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, damaged or belongs to a different run layout."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON to `path` through a synced temporary file and a rename."""
+    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}")
+    with open(tmp, "w") as handle:
+        json.dump(payload, handle, indent=2, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses views that share storage; a CPU copy also detaches from the GPU.
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+
+
+def save_checkpoint(root: Path, step: int, tensor_files: dict[str, dict[str, torch.Tensor]],
+                    state: dict[str, Any], keep: int) -> Path:
+    """Write `tensor_files` (file stem -> tensors) and `state` as checkpoint `step`.
+
+    Older checkpoints beyond the newest `keep` are removed only after the new one is in
+    place. On an OS error (e.g. a full disk) the partial directory is removed, the previous
+    checkpoints stay intact, and the error propagates with a message saying so.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_PREFIX}{step:08d}"
+    tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        checksums = {}
+        for stem, tensors in tensor_files.items():
+            path = tmp / f"{stem}.safetensors"
+            save_file(_contiguous(tensors), str(path))
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+            checksums[path.name] = _sha256(path)
+        payload = {"format_version": FORMAT_VERSION, "step": step, "checksums": checksums, **state}
+        write_json_atomic(tmp / STATE_FILE, payload)
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(root)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(f"could not write checkpoint at step {step} ({err.strerror or err}); {kept}") from err
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoint directories, oldest first (temporary ones are ignored)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def remove_partial(root: Path) -> None:
+    """Delete temporary directories left by a run killed while writing a checkpoint."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(_TMP_PREFIX):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """Read a checkpoint's state.json and check every tensor file's checksum."""
+    state_path = path / STATE_FILE
+    if not state_path.is_file():
+        raise CheckpointError(f"checkpoint {path} has no {STATE_FILE}")
+    try:
+        state = json.loads(state_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is damaged ({err})") from None
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format {state.get('format_version')}, expected {FORMAT_VERSION}")
+    for name, expected in state["checksums"].items():
+        file = path / name
+        if not file.is_file() or _sha256(file) != expected:
+            raise CheckpointError(f"checkpoint {path}: {name} is missing or its checksum does not match")
+    return state
+
+
+def load_latest(root: Path, warn=print) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that verifies, falling back to older ones with a warning."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            return path, verify(path)
+        except CheckpointError as err:
+            warn(f"warning: {err}; trying an earlier checkpoint")
+    return None
+
+
+def load_tensors(path: Path, stem: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    return load_file(str(path / f"{stem}.safetensors"), device=str(device))
+
+
+def flatten_optimizer_state(state_dict: dict, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split a torch optimizer's per-parameter state into tensors and JSON scalars.
+
+    Hyper-parameters (param_groups) are not saved: they are rebuilt from the config and the
+    learning rate is recomputed from the step, so only the per-parameter state matters.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for index, entry in state_dict["state"].items():
+        for key, value in entry.items():
+            name = f"{prefix}.{index}.{key}"
+            if isinstance(value, torch.Tensor):
+                tensors[name] = value
+            else:
+                scalars[name] = value
+    return tensors, scalars
+
+
+def unflatten_optimizer_state(template: dict, tensors: dict[str, torch.Tensor], scalars: dict[str, Any],
+                              prefix: str) -> dict:
+    """Rebuild a state_dict for `optimizer.load_state_dict` from `flatten_optimizer_state` output."""
+    state: dict[int, dict[str, Any]] = {}
+    marker = f"{prefix}."
+    for source in (tensors, scalars):
+        for name, value in source.items():
+            if name.startswith(marker):
+                index, key = name[len(marker):].split(".", 1)
+                state.setdefault(int(index), {})[key] = value
+    return {"state": state, "param_groups": template["param_groups"]}

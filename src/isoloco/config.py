@@ -1,0 +1,285 @@
+"""The run configuration: typed sections, presets as YAML files, `key=value` overrides.
+
+Resolution order (later wins): field defaults, the method's values (`isoloco.methods`),
+the preset file's keys, the preset file's `per_method.<method>` keys, command-line
+overrides. Every value is validated before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from isoloco.configbase import ConfigError, check_at_least, check_choice, check_range, option
+from isoloco.data import DataConfig
+from isoloco.inner import InnerConfig
+from isoloco.merge import MergeConfig
+from isoloco.methods import METHODS
+from isoloco.model import MODEL_PRESETS, check_model_name
+from isoloco.outer import OuterConfig, validate_combination
+
+ALGORITHMS = ("diloco", "dp")
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = option(False, "also write TensorBoard event files to OUT/tensorboard (needs the tensorboard extra)")
+    wandb: bool = option(False, "also log to Weights & Biases (needs the wandb extra; offline unless WANDB_MODE says otherwise)")
+    wandb_project: str = option("isoloco", "Weights & Biases project name")
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass
+class TrainConfig:
+    method: str = option("isoloco", "named method whose values fill in the defaults below", METHODS)
+    algorithm: str = option("diloco", "dp: one model on the global batch (baseline); diloco: R workers syncing every H steps", ALGORITHMS)
+    model: str = option("tiny", "model preset", MODEL_PRESETS)
+    workers: int = option(4, "R: number of DiLoCo workers (ignored by dp)")
+    inner_steps: int = option(30, "H: inner steps between synchronisations")
+    global_batch: int = option(32, "sequences per inner step across all workers (each worker takes global_batch/R)")
+    seq_len: int = option(128, "tokens per training sequence")
+    micro_batch: int = option(0, "at most this many sequences per forward/backward (gradient accumulation); 0 = a worker's whole batch at once")
+    steps: int = option(300, "total inner steps (each worker runs this many)")
+    seed: int = option(0, "seed of model initialisation, data order and random merge rules")
+    device: str = option("auto", "auto (CUDA when available, else CPU), cpu, cuda or cuda:N")
+    offload_workers: bool = option(False, "keep idle workers' parameters and optimizer state in CPU memory (GPU runs with many workers)")
+    eval_every: int = option(60, "evaluate the global model every this many steps (at the next synchronisation) and at the end")
+    eval_batch: int = option(16, "sequences per evaluation forward pass")
+    checkpoint_every: int = option(150, "checkpoint every this many steps (at the next synchronisation) and at the end; 0 = only at the end")
+    keep_checkpoints: int = option(2, "how many recent checkpoints to keep")
+    data: DataConfig = dataclasses.field(default_factory=DataConfig, metadata={"doc": "data section"})
+    inner: InnerConfig = dataclasses.field(default_factory=InnerConfig, metadata={"doc": "inner optimizer section"})
+    outer: OuterConfig = dataclasses.field(default_factory=OuterConfig, metadata={"doc": "outer optimizer section"})
+    merge: MergeConfig = dataclasses.field(default_factory=MergeConfig, metadata={"doc": "merge rule section"})
+    log: LogConfig = dataclasses.field(default_factory=LogConfig, metadata={"doc": "logging section"})
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Sequences per forward pass: micro_batch, capped by what one worker takes per step."""
+        per_worker = self.global_batch // self.num_workers
+        return min(self.micro_batch, per_worker) if self.micro_batch else per_worker
+
+    @property
+    def num_workers(self) -> int:
+        """Workers that actually train: dp trains one model on the global batch."""
+        return 1 if self.algorithm == "dp" else self.workers
+
+    def validate(self) -> None:
+        check_choice("method", self.method, METHODS)
+        check_choice("algorithm", self.algorithm, ALGORITHMS)
+        check_model_name(self.model)
+        check_at_least("workers", self.workers, 1)
+        check_at_least("inner_steps", self.inner_steps, 1)
+        check_at_least("global_batch", self.global_batch, 1)
+        check_at_least("seq_len", self.seq_len, 2)
+        check_at_least("micro_batch", self.micro_batch, 0)
+        check_at_least("steps", self.steps, 1)
+        check_at_least("eval_every", self.eval_every, 1)
+        check_at_least("eval_batch", self.eval_batch, 1)
+        check_at_least("checkpoint_every", self.checkpoint_every, 0)
+        check_at_least("keep_checkpoints", self.keep_checkpoints, 1)
+        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"device={self.device!r} is not allowed: use auto, cpu, cuda or cuda:N")
+        if self.global_batch % self.num_workers:
+            raise ConfigError(
+                f"global_batch={self.global_batch} is not divisible by workers={self.workers}: each worker takes "
+                f"global_batch/workers sequences per step; pick a global_batch that is a multiple of {self.workers}")
+        per_worker = self.global_batch // self.num_workers
+        if per_worker % self.micro_batch_size:
+            raise ConfigError(
+                f"micro_batch={self.micro_batch} does not divide the {per_worker} sequences each worker takes per "
+                f"step; use a divisor of {per_worker} or 0")
+        for section in (self.data, self.inner, self.outer, self.merge, self.log):
+            section.validate()
+        validate_combination(self.merge, self.outer)
+
+
+# ---------------------------------------------------------------------------------------
+# Keys, values and overrides
+
+
+@dataclass(frozen=True)
+class Key:
+    """One settable key: dotted name, Python type, default, doc and allowed values."""
+
+    name: str
+    type: Any
+    default: Any
+    doc: str
+    choices: tuple | None
+
+
+def _is_section(tp: Any) -> bool:
+    return dataclasses.is_dataclass(tp)
+
+
+def list_keys(cls: type = TrainConfig, prefix: str = "") -> list[Key]:
+    """Every leaf key of the config, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    keys: list[Key] = []
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if _is_section(tp):
+            keys.extend(list_keys(tp, f"{prefix}{f.name}."))
+        else:
+            keys.append(Key(prefix + f.name, tp, getattr(defaults, f.name), f.metadata.get("doc", ""),
+                            f.metadata.get("choices")))
+    return keys
+
+
+#: `data=X` is short for `data.source=X`, the one data key people set most.
+ALIASES = {"data": "data.source"}
+
+
+def _coerce(key: Key, raw: Any) -> Any:
+    """Turn a YAML-parsed value into the key's type, or raise naming the key."""
+    tp = key.type
+    expected = getattr(tp, "__name__", str(tp))
+    if typing.get_origin(tp) is list:
+        if isinstance(raw, str):
+            raw = [item for item in raw.split(",") if item]
+        if not isinstance(raw, list):
+            raise ConfigError(f"{key.name}={raw!r} is not allowed: expected a list (comma-separated)")
+        return [str(item) for item in raw]
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+    elif tp is int:
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if isinstance(raw, float) and raw.is_integer():
+            return int(raw)
+    elif tp is float:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool) and math.isfinite(raw):
+            return float(raw)
+    elif tp is str:
+        if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
+            return str(raw)
+    raise ConfigError(f"{key.name}={raw!r} is not allowed: expected {expected}")
+
+
+def _keys_by_name() -> dict[str, Key]:
+    return {k.name: k for k in list_keys()}
+
+
+def apply_values(cfg: TrainConfig, values: dict[str, Any]) -> None:
+    """Set dotted keys on `cfg`; unknown keys and ill-typed values raise ConfigError."""
+    keys = _keys_by_name()
+    for name, raw in values.items():
+        name = ALIASES.get(name, name)
+        if name not in keys:
+            close = [k for k in keys if k.split(".")[-1] == name.split(".")[-1]]
+            hint = f" (did you mean {', '.join(close)}?)" if close else "; see `isoloco train --help` for every key"
+            raise ConfigError(f"unknown key {name!r}{hint}")
+        value = _coerce(keys[name], raw)
+        target = cfg
+        *sections, leaf = name.split(".")
+        for section in sections:
+            target = getattr(target, section)
+        setattr(target, leaf, value)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """Parse `key=value` strings; values are read as YAML scalars (`1e-3`, `true`, `a,b`)."""
+    values: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{item!r} is not a key=value override (example: workers=8)")
+        try:
+            values[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            values[key.strip()] = raw
+    return values
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested YAML mappings to dotted keys."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name != "per_method":
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+# ---------------------------------------------------------------------------------------
+# Presets
+
+
+def preset_names() -> list[str]:
+    folder = resources.files("isoloco") / "presets"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_preset(name_or_path: str) -> dict[str, Any]:
+    """A preset by name (shipped with the package) or a YAML file path, as dotted keys."""
+    path = Path(name_or_path)
+    if name_or_path.endswith((".yaml", ".yml")) or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"preset file {name_or_path!r} does not exist")
+        text = path.read_text()
+    else:
+        if name_or_path not in preset_names():
+            raise ConfigError(f"preset {name_or_path!r} is not known: choose one of {', '.join(preset_names())} "
+                              "or give a .yaml file")
+        text = (resources.files("isoloco") / "presets" / f"{name_or_path}.yaml").read_text()
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"preset {name_or_path!r} is not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"preset {name_or_path!r} must be a mapping of keys to values")
+    return flatten(tree)
+
+
+def resolve(preset: str | None, overrides: dict[str, Any]) -> TrainConfig:
+    """Build and validate the full config (see the module docstring for the order)."""
+    preset_values = load_preset(preset) if preset else {}
+    per_method = preset_values.pop("per_method", {}) or {}
+    sweep_only = {k for k in preset_values if k.startswith("sweep.")}
+    for key in sweep_only:
+        preset_values.pop(key)
+    method = overrides.get("method", preset_values.get("method", TrainConfig.method))
+    check_choice("method", method, METHODS)
+    cfg = TrainConfig()
+    apply_values(cfg, METHODS[method])
+    apply_values(cfg, preset_values)
+    apply_values(cfg, flatten(per_method.get(method, {}) or {}))
+    apply_values(cfg, overrides)
+    cfg.method = method
+    cfg.validate()
+    return cfg
+
+
+def from_dict(tree: dict[str, Any]) -> TrainConfig:
+    """Rebuild a config saved with `to_dict` (e.g. a run's config.yaml), validated."""
+    cfg = TrainConfig()
+    apply_values(cfg, flatten(tree))
+    cfg.validate()
+    return cfg
+
+
+def describe_keys() -> str:
+    """The `--help` listing: every key with its default, allowed values and doc."""
+    lines = []
+    for key in list_keys():
+        allowed = f" {{{', '.join(map(str, key.choices))}}}" if key.choices else ""
+        lines.append(f"  {key.name} = {key.default!r}{allowed}\n      {key.doc}")
+    return "\n".join(lines)

@@ -1,0 +1,289 @@
+"""The training loop: data-parallel baseline and DiLoCo with K workers in this process.
+
+One compute module holds whichever worker is training; workers differ only in their
+optimizer state and, between their turn and the merge, in the pseudo-gradient they hold.
+A round is:
+
+    for each local worker r:   weights <- θ ; H inner steps ; Δ_r <- θ - weights
+    θ <- OuterStep({Δ_r})      # merge rule, then outer optimizer (SGD / Nesterov / IsoLoCo)
+
+The data-parallel baseline runs the same loop with one model trained on the global batch
+and no merge. Evaluation and checkpoints happen at round boundaries, where every worker
+equals θ, so a checkpoint needs θ, the outer state and each worker's optimizer state only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from isoloco import checkpoint as ckpt
+from isoloco.comm import Communicator, LocalCommunicator
+from isoloco.config import TrainConfig, to_dict
+from isoloco.configbase import ConfigError
+from isoloco.data import Batches, TokenData, load_token_data, validation_batches
+from isoloco.inner import InnerOptimizer
+from isoloco.metrics import MetricsLog
+from isoloco.model import build_model, count_parameters
+from isoloco.outer import OuterStep
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} is not available on this machine: use device=cpu or device=auto")
+    return device
+
+
+@dataclass
+class Worker:
+    """A DiLoCo worker between rounds: its optimizer state and, after its turn, its Δ."""
+
+    index: int  # global worker id, 0..R-1
+    optimizer: InnerOptimizer
+    delta: list[torch.Tensor]  # Δ = θ − θ_r after the worker's turn (storage device)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, out_dir: Path, comm: Communicator | None = None,
+                 progress: bool = True, say: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.out_dir = Path(out_dir)
+        self.say = say
+        self.progress = progress
+        self.device = resolve_device(cfg.device)
+        self.data: TokenData = load_token_data(cfg.data)
+        self.batches = Batches(self.data.train, cfg.seq_len, cfg.global_batch, cfg.seed)
+        self.batches.check_budget(cfg.steps, cfg.data.allow_repeat)
+        self.val = validation_batches(self.data.val, cfg.seq_len, cfg.data.val_tokens, cfg.eval_batch)
+        self.model = build_model(cfg.model, self.data.vocab_size, cfg.seq_len, cfg.seed).to(self.device)
+        self.num_params = count_parameters(self.model)
+        self.named_params = list(self.model.named_parameters())
+        self.params = [p for _, p in self.named_params]
+        self.comm = comm or LocalCommunicator(cfg.num_workers)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                         else nullcontext())
+        self.storage = torch.device("cpu") if cfg.offload_workers else self.device
+        self.diloco = cfg.algorithm == "diloco"
+        if self.diloco:
+            # θ lives apart from the compute module, which is overwritten by each worker's turn.
+            self.global_params = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
+            self.outer = OuterStep(list(zip([n for n, _ in self.named_params], self.global_params)),
+                                   cfg.merge, cfg.outer, self.comm, cfg.seed)
+            self.workers = [Worker(w, InnerOptimizer(self.named_params, cfg.inner, cfg.steps),
+                                   [torch.zeros_like(p, device=self.storage) for p in self.params])
+                            for w in self.comm.local_worker_ids]
+        else:
+            self.global_params = self.params
+            self.workers = [Worker(0, InnerOptimizer(self.named_params, cfg.inner, cfg.steps), [])]
+        self.step = 0
+        self.elapsed = 0.0
+        self.last_val_loss: float | None = None
+
+    # -- one step --------------------------------------------------------------------------
+
+    def _forward_backward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss over `rows` ([n, seq_len+1]); gradients accumulate in .grad."""
+        rows = rows.to(self.device, non_blocking=True)
+        chunks = rows.split(self.cfg.micro_batch_size)
+        total = torch.zeros((), device=self.device)
+        for chunk in chunks:
+            loss = self._loss(chunk)
+            (loss / len(chunks)).backward()
+            total += loss.detach()
+        return total / len(chunks)
+
+    def _loss(self, rows: torch.Tensor) -> torch.Tensor:
+        with self.autocast:
+            logits = self.model(input_ids=rows[:, :-1], use_cache=False).logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1))
+
+    def _worker_rows(self, step: int, worker: Worker) -> torch.Tensor:
+        if not self.diloco:
+            return self.batches.rows(step, 0, self.cfg.global_batch)
+        return self.batches.worker_batch(step, worker.index, self.cfg.workers)
+
+    # -- one round ---------------------------------------------------------------------------
+
+    def _run_worker(self, worker: Worker, start: int, end: int) -> torch.Tensor:
+        """Train one worker from θ for steps [start, end); return its per-step losses."""
+        if self.diloco:
+            torch._foreach_copy_(self.params, self.global_params)
+            worker.optimizer.move_state(self.device)
+        losses = torch.zeros(end - start, device=self.device)
+        for step in range(start, end):
+            losses[step - start] = self._forward_backward(self._worker_rows(step, worker))
+            worker.optimizer.step(step)
+        if self.diloco:
+            # Δ = θ − θ_r, computed in the compute buffers then kept by the worker until the merge.
+            torch._foreach_sub_(self.params, self.global_params)
+            torch._foreach_neg_(self.params)
+            torch._foreach_copy_(worker.delta, self.params)
+            worker.optimizer.move_state(self.storage)
+        return losses
+
+    def _round(self, start: int, end: int) -> torch.Tensor:
+        """One round (or, for dp, one segment); returns the mean loss per step over workers."""
+        losses = torch.stack([self._run_worker(w, start, end) for w in self.workers]).mean(dim=0)
+        if self.diloco:
+            names = [n for n, _ in self.named_params]
+            deltas = {name: [w.delta[i].to(self.device, non_blocking=True) for w in self.workers]
+                      for i, name in enumerate(names)}
+            self.outer.step(deltas, round=start // self.cfg.inner_steps)
+        return losses
+
+    # -- evaluation ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss of θ on the fixed held-out windows (token-weighted mean)."""
+        if self.diloco:
+            torch._foreach_copy_(self.params, self.global_params)
+        self.model.eval()
+        total, count = 0.0, 0
+        for rows in self.val:
+            total += self._loss(rows.to(self.device)).item() * rows.size(0)
+            count += rows.size(0)
+        self.model.train()
+        return total / count
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _checkpoint_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    def save(self, metrics_offset: int) -> Path:
+        names = [n for n, _ in self.named_params]
+        tensor_files: dict[str, dict[str, torch.Tensor]] = {
+            "global": dict(zip(names, self.global_params))}
+        inner_tensors: dict[str, torch.Tensor] = {}
+        inner_scalars: dict[str, Any] = {}
+        for worker in self.workers:
+            for j, state in enumerate(worker.optimizer.state_dicts()):
+                tensors, scalars = ckpt.flatten_optimizer_state(state, f"w{worker.index}.opt{j}")
+                inner_tensors.update(tensors)
+                inner_scalars.update(scalars)
+        tensor_files["inner"] = inner_tensors
+        if self.diloco:
+            tensor_files["outer"] = self.outer.state_dict()
+        state = {
+            "elapsed_s": self.elapsed,
+            "metrics_offset": metrics_offset,
+            "last_val_loss": self.last_val_loss,
+            "inner_scalars": inner_scalars,
+            "layout": {"workers": self.cfg.num_workers, "local_workers": [w.index for w in self.workers]},
+            "config": to_dict(self.cfg),
+        }
+        return ckpt.save_checkpoint(self._checkpoint_dir(), self.step, tensor_files, state,
+                                    self.cfg.keep_checkpoints)
+
+    def restore(self) -> int | None:
+        """Load the newest valid checkpoint; return the metrics file offset to truncate to."""
+        root = self._checkpoint_dir()
+        ckpt.remove_partial(root)
+        found = ckpt.load_latest(root, warn=self.say)
+        if found is None:
+            return None
+        path, state = found
+        layout = {"workers": self.cfg.num_workers, "local_workers": [w.index for w in self.workers]}
+        if state["layout"] != layout:
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} was written with layout {state['layout']}, this run has {layout}; "
+                "resume with the same number of workers and processes")
+        global_tensors = ckpt.load_tensors(path, "global", self.device)
+        with torch.no_grad():
+            for (name, _), param in zip(self.named_params, self.global_params):
+                param.copy_(global_tensors[name])
+        inner_tensors = ckpt.load_tensors(path, "inner", self.storage)
+        for worker in self.workers:
+            templates = worker.optimizer.state_dicts()
+            worker.optimizer.load_state_dicts([
+                ckpt.unflatten_optimizer_state(t, inner_tensors, state["inner_scalars"], f"w{worker.index}.opt{j}")
+                for j, t in enumerate(templates)])
+            worker.optimizer.move_state(self.storage)
+        if self.diloco:
+            self.outer.load_state_dict(ckpt.load_tensors(path, "outer", self.device))
+        self.step = state["step"]
+        self.elapsed = state["elapsed_s"]
+        self.last_val_loss = state["last_val_loss"]
+        self.say(f"resumed from {path} at step {self.step}")
+        return state["metrics_offset"]
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def _due(self, every: int, start: int, end: int) -> bool:
+        """Whether a multiple of `every` lies in (start, end]: the event happens at this boundary."""
+        return every > 0 and end // every > start // every
+
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        cfg = self.cfg
+        offset = self.restore() if resume else None
+        tokens_per_step = cfg.global_batch * cfg.seq_len
+        log = MetricsLog(
+            self.out_dir / "metrics.jsonl", truncate_to=offset if resume else 0,
+            tensorboard_dir=self.out_dir / "tensorboard" if cfg.log.tensorboard else None,
+            wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
+            run_name=self.out_dir.name, config=to_dict(cfg))
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True)
+        try:
+            while self.step < cfg.steps:
+                start = self.step
+                end = min((start // cfg.inner_steps + 1) * cfg.inner_steps, cfg.steps)
+                began = time.perf_counter()
+                losses = self._round(start, end).tolist()
+                seconds = time.perf_counter() - began
+                self.elapsed += seconds
+                self.step = end
+                record_extra: dict[str, Any] = {}
+                if self.diloco:
+                    record_extra["bytes_per_worker"] = self.comm.reset_bytes()
+                if self._due(cfg.eval_every, start, end) or end == cfg.steps:
+                    self.last_val_loss = self.evaluate()
+                    record_extra["val_loss"] = self.last_val_loss
+                for i, step in enumerate(range(start, end)):
+                    record = {"step": step + 1, "round": start // cfg.inner_steps, "tokens": (step + 1) * tokens_per_step,
+                              "train_loss": losses[i], "lr": self.workers[0].optimizer.lr_at(step),
+                              "wall_time_s": self.elapsed, "tokens_per_s": tokens_per_step * (end - start) / seconds}
+                    if step + 1 == end:
+                        record.update(record_extra)
+                    log.write(record)
+                bar.update(end - start)
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * (end - start) / seconds:,.0f}",
+                                **({"val": f"{self.last_val_loss:.3f}"} if "val_loss" in record_extra else {}))
+                if not math.isfinite(losses[-1]):
+                    raise FloatingPointError(f"training loss became {losses[-1]} at step {end}; "
+                                             "lower inner.lr or outer.lr")
+                if self._due(cfg.checkpoint_every, start, end) or end == cfg.steps:
+                    self.save(log.flush())
+        finally:
+            bar.close()
+            log.close()
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "final_val_loss": self.last_val_loss,
+            "method": cfg.method,
+            "algorithm": cfg.algorithm,
+            "workers": cfg.workers,
+            "inner_steps": cfg.inner_steps,
+            "steps": cfg.steps,
+            "global_batch": cfg.global_batch,
+            "seq_len": cfg.seq_len,
+            "tokens": cfg.steps * cfg.global_batch * cfg.seq_len,
+            "params": self.num_params,
+            "model": cfg.model,
+            "seed": cfg.seed,
+            "wall_time_s": self.elapsed,
+        }
