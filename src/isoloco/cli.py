@@ -23,6 +23,7 @@ from isoloco.data.cli import add_data_commands
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
 CONFIG_FILE = "config.yaml"
+RUN_TOKENIZER = "tokenizer.json"
 
 
 class UsageError(ValueError):
@@ -83,6 +84,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.resume:
         _prepare_out_dir(out, args.force)
         (out / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        # The run directory carries its tokenizer, so `isoloco export` needs nothing else.
+        shutil.copyfile(trainer.data.tokenizer_path, out / RUN_TOKENIZER)
     say(f"{cfg.method} ({cfg.algorithm}): model {cfg.model} with {trainer.num_params:,} parameters, "
         f"R={cfg.num_workers}, H={cfg.inner_steps}, {cfg.steps} steps on {trainer.device}")
     summary = trainer.run(resume=bool(args.resume))

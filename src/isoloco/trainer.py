@@ -118,7 +118,8 @@ class Trainer:
     def _run_worker(self, worker: Worker, start: int, end: int) -> torch.Tensor:
         """Train one worker from θ for steps [start, end); return its per-step losses."""
         if self.diloco:
-            torch._foreach_copy_(self.params, self.global_params)
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.global_params)
             worker.optimizer.move_state(self.device)
         losses = torch.zeros(end - start, device=self.device)
         for step in range(start, end):
@@ -126,9 +127,10 @@ class Trainer:
             worker.optimizer.step(step)
         if self.diloco:
             # Δ = θ − θ_r, computed in the compute buffers then kept by the worker until the merge.
-            torch._foreach_sub_(self.params, self.global_params)
-            torch._foreach_neg_(self.params)
-            torch._foreach_copy_(worker.delta, self.params)
+            with torch.no_grad():
+                torch._foreach_sub_(self.params, self.global_params)
+                torch._foreach_neg_(self.params)
+                torch._foreach_copy_(worker.delta, self.params)
             worker.optimizer.move_state(self.storage)
         return losses
 

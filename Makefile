@@ -1,0 +1,25 @@
+# Set-up and the two main jobs. `make demo` and `make test` each create .venv when needed.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU build of PyTorch; on a GPU machine install the CUDA build of torch>=2.9 first instead.
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test install bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: install
+	$(BIN)/isoloco train
+
+test: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,46 @@
+"""Export a checkpoint's global model as a Hugging Face `save_pretrained` directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+from isoloco import checkpoint as ckpt
+from isoloco.cli import RUN_TOKENIZER
+from isoloco.config import from_dict
+from isoloco.data.tokenizer import pretrained_tokenizer
+from isoloco.model import build_model
+
+
+def _find_checkpoint(path: Path) -> Path:
+    if (path / ckpt.STATE_FILE).is_file():
+        return path
+    found = ckpt.load_latest(path / "checkpoints")
+    if found is None:
+        raise ckpt.CheckpointError(f"{path} is neither a checkpoint nor a run directory with a valid checkpoint")
+    return found[0]
+
+
+def export(path: Path, out_dir: Path) -> None:
+    """Write model weights, config and tokenizer of the checkpoint at `path` to `out_dir`."""
+    checkpoint = _find_checkpoint(path)
+    state = ckpt.verify(checkpoint)
+    cfg = from_dict(state["config"])
+    run_dir = checkpoint.parent.parent
+    tokenizer_file = run_dir / RUN_TOKENIZER
+    if not tokenizer_file.is_file():
+        raise ckpt.CheckpointError(f"{run_dir} has no {RUN_TOKENIZER}; was it written by isoloco train?")
+    tokenizer = pretrained_tokenizer(tokenizer_file)
+    weights = ckpt.load_tensors(checkpoint, "global")
+    vocab_size = weights["model.embed_tokens.weight"].shape[0]
+    model = build_model(cfg.model, vocab_size, cfg.seq_len, cfg.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(weights[name])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "isoloco.yaml").write_text(yaml.safe_dump({"step": state["step"], "config": state["config"]},
+                                                         sort_keys=False))

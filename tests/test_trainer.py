@@ -1,0 +1,128 @@
+"""The training loop: DiLoCo/data-parallel equivalences, every method runs, resume is exact."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from isoloco.config import resolve
+from isoloco.methods import METHODS
+from isoloco.trainer import Trainer
+
+SMALL = {"model": "tiny", "seq_len": 32, "global_batch": 8, "steps": 10, "eval_every": 10, "eval_batch": 8,
+         "data.vocab_size": 512, "data.val_tokens": 1024, "checkpoint_every": 0, "device": "cpu"}
+
+
+def train(tmp_path: Path, name: str, **overrides) -> Trainer:
+    cfg = resolve(None, {**SMALL, **overrides})
+    trainer = Trainer(cfg, tmp_path / name, progress=False, say=lambda _m: None)
+    (tmp_path / name).mkdir(parents=True, exist_ok=True)
+    trainer.run()
+    return trainer
+
+
+def assert_close_relative(a: list[torch.Tensor], b: list[torch.Tensor], rtol: float) -> None:
+    """Relative error per tensor, ||x - y|| / ||y|| (Frobenius), at most `rtol`."""
+    for x, y in zip(a, b, strict=True):
+        assert (torch.linalg.norm(x - y) / torch.linalg.norm(y)).item() <= rtol
+
+
+SGD = {"inner.optimizer": "sgd", "inner.lr": 0.2, "inner.grad_clip": 0.0}
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_diloco_sgd_h1_equals_data_parallel_sgd(tmp_path, workers):
+    dp = train(tmp_path, "dp", method="dp", **SGD)
+    diloco = train(tmp_path, "diloco", method="diloco", workers=workers, inner_steps=1,
+                   **{"outer.optimizer": "sgd", "outer.lr": 1.0, "outer.momentum": 0.0, **SGD})
+    assert_close_relative(diloco.global_params, dp.global_params, 1e-6)
+    assert diloco.last_val_loss == pytest.approx(dp.last_val_loss, rel=1e-6)
+    # Guard against a vacuous pass: training moved the weights.
+    initial = train(tmp_path, "untrained", method="dp", steps=1, **{**SGD, "inner.lr": 1e-12})
+    assert not torch.allclose(dp.global_params[0], initial.global_params[0])
+
+
+@pytest.mark.parametrize("inner_steps", [1, 3, 5])
+def test_one_worker_outer_sgd_lr1_equals_data_parallel(tmp_path, inner_steps):
+    dp = train(tmp_path, "dp", method="dp", **{"inner.lr": 0.003, "inner.weight_decay": 0.1})
+    diloco = train(tmp_path, "diloco", method="diloco", workers=1, inner_steps=inner_steps,
+                   **{"outer.optimizer": "sgd", "outer.lr": 1.0, "outer.momentum": 0.0,
+                      "inner.lr": 0.003, "inner.weight_decay": 0.1})
+    assert_close_relative(diloco.global_params, dp.global_params, 1e-5)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_trains_to_a_finite_loss(tmp_path, method):
+    trainer = train(tmp_path, method, method=method, workers=2, inner_steps=3, steps=6)
+    assert trainer.last_val_loss is not None and torch.isfinite(torch.tensor(trainer.last_val_loss))
+    lines = (tmp_path / method / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 7))
+
+
+def test_offloaded_workers_give_identical_numbers(tmp_path):
+    plain = train(tmp_path, "plain", method="isoloco", workers=2, inner_steps=3)
+    offloaded = train(tmp_path, "offloaded", method="isoloco", workers=2, inner_steps=3, offload_workers=True)
+    for a, b in zip(plain.global_params, offloaded.global_params, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_micro_batches_accumulate_to_the_full_batch_gradient(tmp_path):
+    whole = train(tmp_path, "whole", method="diloco", workers=2, inner_steps=2, **SGD)
+    split = train(tmp_path, "split", method="diloco", workers=2, inner_steps=2, micro_batch=2, **SGD)
+    assert_close_relative(split.global_params, whole.global_params, 1e-5)
+
+
+def test_same_seed_same_bits(tmp_path):
+    a = train(tmp_path, "a", method="dare", workers=2, inner_steps=2, steps=4)
+    b = train(tmp_path, "b", method="dare", workers=2, inner_steps=2, steps=4)
+    for x, y in zip(a.global_params, b.global_params, strict=True):
+        assert torch.equal(x, y)
+
+
+# -- killed and resumed through the command line -----------------------------------------
+
+CLI_RUN = ["model=tiny", "seq_len=32", "global_batch=8", "steps=40", "inner_steps=5", "workers=2",
+           "eval_every=10", "checkpoint_every=10", "data.vocab_size=512", "data.val_tokens=1024", "device=cpu",
+           "method=isoloco"]
+
+
+def isoloco(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "isoloco", *args], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
+
+
+def test_killed_run_resumes_to_identical_numbers(tmp_path):
+    reference = tmp_path / "reference"
+    done = isoloco("train", *CLI_RUN, "--out", str(reference), "--quiet")
+    assert done.returncode == 0, done.stderr
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "isoloco", "train", *CLI_RUN, "--out", str(killed), "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((killed / "checkpoints").glob("step_00000020")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert list((killed / "checkpoints").glob("step_*")), "the run never reached a checkpoint"
+    assert not (killed / "summary.json").exists(), "the run finished before it could be killed"
+
+    resumed = isoloco("train", "--resume", str(killed), "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    final = lambda run: load_file(str(sorted((run / "checkpoints").glob("step_*"))[-1] / "global.safetensors"))
+    for name, tensor in final(reference).items():
+        assert torch.equal(tensor, final(killed)[name]), name
+    summary = lambda run: json.loads((run / "summary.json").read_text())
+    assert summary(killed)["final_val_loss"] == summary(reference)["final_val_loss"]
+    metrics = (killed / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics] == list(range(1, 41))
+    ref_metrics = (reference / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(a)["train_loss"] for a in metrics] == [json.loads(b)["train_loss"] for b in ref_metrics]
