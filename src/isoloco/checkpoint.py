@@ -46,14 +46,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON to `path` through a synced temporary file and a rename."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a synced temporary file and a rename."""
     tmp = path.with_name(f"{_TMP_PREFIX}{path.name}")
     with open(tmp, "w") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=True)
+        handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True))
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

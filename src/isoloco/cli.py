@@ -15,11 +15,12 @@ from pathlib import Path
 
 import yaml
 
-from isoloco.checkpoint import CheckpointError, write_json_atomic
+from isoloco.checkpoint import CheckpointError, write_json_atomic, write_text_atomic
 from isoloco.config import TrainConfig, describe_keys, from_dict, parse_overrides, preset_names, resolve, to_dict
 from isoloco.configbase import ConfigError
 from isoloco.data import DataError
 from isoloco.data.cli import add_data_commands
+from isoloco.stop import StopRequested
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
 CONFIG_FILE = "config.yaml"
@@ -83,12 +84,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg, out, progress=not args.quiet, say=say)
     if not args.resume:
         _prepare_out_dir(out, args.force)
-        (out / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        write_text_atomic(out / CONFIG_FILE, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    if not (out / RUN_TOKENIZER).exists():
         # The run directory carries its tokenizer, so `isoloco export` needs nothing else.
-        shutil.copyfile(trainer.data.tokenizer_path, out / RUN_TOKENIZER)
+        write_text_atomic(out / RUN_TOKENIZER, Path(trainer.data.tokenizer_path).read_text())
     say(f"{cfg.method} ({cfg.algorithm}): model {cfg.model} with {trainer.num_params:,} parameters, "
         f"R={cfg.num_workers}, H={cfg.inner_steps}, {cfg.steps} steps on {trainer.device}")
-    summary = trainer.run(resume=bool(args.resume))
+    try:
+        summary = trainer.run(resume=bool(args.resume))
+    except StopRequested as stopped:
+        print(f"{stopped}; continue with: isoloco train --resume {out}", file=sys.stderr)
+        return 128 + stopped.signum
     summary["unigram_baseline"] = trainer.data.unigram_loss
     write_json_atomic(out / "summary.json", summary)
     print(f"results in {out}")

@@ -15,6 +15,7 @@ equals θ, so a checkpoint needs θ, the outer state and each worker's optimizer
 from __future__ import annotations
 
 import math
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from isoloco.inner import InnerOptimizer
 from isoloco.metrics import MetricsLog
 from isoloco.model import build_model, count_parameters
 from isoloco.outer import OuterStep
+from isoloco.stop import GracefulStop, StopRequested
 
 
 def resolve_device(name: str) -> torch.device:
@@ -193,7 +195,7 @@ class Trainer:
         """Load the newest valid checkpoint; return the metrics file offset to truncate to."""
         root = self._checkpoint_dir()
         ckpt.remove_partial(root)
-        found = ckpt.load_latest(root, warn=self.say)
+        found = ckpt.load_latest(root, warn=lambda message: print(message, file=sys.stderr))
         if found is None:
             return None
         path, state = found
@@ -232,11 +234,12 @@ class Trainer:
         offset = self.restore() if resume else None
         tokens_per_step = cfg.global_batch * cfg.seq_len
         log = MetricsLog(
-            self.out_dir / "metrics.jsonl", truncate_to=offset if resume else 0,
+            self.out_dir / "metrics.jsonl", truncate_to=offset or 0,
             tensorboard_dir=self.out_dir / "tensorboard" if cfg.log.tensorboard else None,
             wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
             run_name=self.out_dir.name, config=to_dict(cfg))
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True)
+        stop = GracefulStop()
         try:
             while self.step < cfg.steps:
                 start = self.step
@@ -265,9 +268,12 @@ class Trainer:
                 if not math.isfinite(losses[-1]):
                     raise FloatingPointError(f"training loss became {losses[-1]} at step {end}; "
                                              "lower inner.lr or outer.lr")
-                if self._due(cfg.checkpoint_every, start, end) or end == cfg.steps:
+                if self._due(cfg.checkpoint_every, start, end) or end == cfg.steps or stop.requested:
                     self.save(log.flush())
+                if stop.requested and end < cfg.steps:
+                    raise StopRequested(stop.signum, end)
         finally:
+            stop.restore()
             bar.close()
             log.close()
         return self.summary()

@@ -1,0 +1,124 @@
+"""Crash safety: signals checkpoint and exit, damaged or partial checkpoints are never used,
+a full disk keeps the previous checkpoint, resumes always end with the same numbers."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from isoloco import checkpoint as ckpt
+from isoloco.config import parse_overrides, resolve
+from isoloco.trainer import Trainer
+
+RUN = ["model=tiny", "seq_len=32", "global_batch=8", "steps=60", "inner_steps=5", "workers=2", "eval_every=20",
+       "checkpoint_every=10", "data.vocab_size=512", "data.val_tokens=1024", "device=cpu", "method=isoloco"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def train_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "isoloco", "train", *args, "--quiet"], capture_output=True,
+                          text=True, env=ENV)
+
+
+def final_params(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt.latest_checkpoint(run / "checkpoints") / "global.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "run"
+    done = train_cli(*RUN, "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def assert_same_result(run: Path, reference: Path) -> None:
+    summary = lambda r: json.loads((r / "summary.json").read_text())
+    assert summary(run)["final_val_loss"] == summary(reference)["final_val_loss"]
+    ours, theirs = final_params(run), final_params(reference)
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_writes_a_checkpoint_and_exits_cleanly(tmp_path, reference, signum):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "isoloco", "train", *RUN, "--out", str(out), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "metrics.jsonl").exists():
+        time.sleep(0.05)
+    while time.time() < deadline and not (out / "metrics.jsonl").read_text().strip():
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err
+    assert f"stopped by {signal.Signals(signum).name}" in err and "--resume" in err
+    stopped_at = ckpt.verify(ckpt.latest_checkpoint(out / "checkpoints"))["step"]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["step"] == stopped_at, "the checkpoint holds every finished step"
+    resumed = train_cli("--resume", str(out))
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_result(out, reference)
+
+
+def test_partial_and_damaged_checkpoints_are_skipped(tmp_path, reference):
+    out = tmp_path / "run"
+    assert train_cli(*RUN, "--out", str(out)).returncode == 0
+    checkpoints = ckpt.list_checkpoints(out / "checkpoints")
+    assert len(checkpoints) == 2  # keep_checkpoints
+    # A run killed while writing leaves a temporary directory; damage the newest one too.
+    (out / "checkpoints" / ".tmp-step_00000070-123").mkdir()
+    (out / "checkpoints" / ".tmp-step_00000070-123" / "global.safetensors").write_bytes(b"partial")
+    newest = checkpoints[-1] / "global.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-1] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    (out / "summary.json").unlink()
+    resumed = train_cli("--resume", str(out))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "checksum does not match" in resumed.stdout + resumed.stderr
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    assert_same_result(out, reference)
+
+
+def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    cfg = resolve(None, parse_overrides(RUN))
+    out = tmp_path / "run"
+    out.mkdir()
+    real_save = ckpt.save_file
+    calls = []
+
+    def save_until_full(tensors, path):
+        calls.append(path)
+        if len(calls) > 3:  # the second checkpoint (3 tensor files each) hits a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(tensors, path)
+
+    monkeypatch.setattr(ckpt, "save_file", save_until_full)
+    trainer = Trainer(cfg, out, progress=False, say=lambda _m: None)
+    with pytest.raises(ckpt.CheckpointError, match="No space left on device.*step_00000010 is intact"):
+        trainer.run()
+    remaining = ckpt.list_checkpoints(out / "checkpoints")
+    assert [p.name for p in remaining] == ["step_00000010"]
+    ckpt.verify(remaining[0])
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_resume_with_a_different_layout_is_refused(tmp_path):
+    out = tmp_path / "run"
+    assert train_cli(*RUN, "--out", str(out)).returncode == 0
+    config = out / "config.yaml"
+    config.write_text(config.read_text().replace("workers: 2", "workers: 4"))
+    resumed = train_cli("--resume", str(out))
+    assert resumed.returncode == 2
+    assert "layout" in resumed.stderr and "same number of workers" in resumed.stderr
