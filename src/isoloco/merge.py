@@ -1,0 +1,476 @@
+"""Merge rules: how the R workers' pseudo-gradients of one parameter become one tensor.
+
+Each rule is written once, against a `Communicator`, and receives only the K deltas of the
+workers held by this process (DESIGN §4). Every rule moves the least data that keeps it
+exact — no rule all-gathers full deltas:
+
+* mean, Iso-C, DARE (drop locally first): one all-reduce;
+* TIES: an all-reduce of the trimmed sum to elect signs, then one of the masked sum and count;
+* TSV: an all-gather of each worker's top-k factors (U_k, S_k, V_k);
+* Iso-CTS: an all-reduce of the mean for the common subspace, then an all-gather of each
+  worker's residual factors.
+
+The public pure functions (`mean`, `ties`, `dare`, `tsv`, `iso_c`, `iso_cts`) take a list of
+R tensors, peft-style, and run the same rules on a `LocalCommunicator`. `Merger` is what a
+training loop uses: it applies one configured rule to every parameter, owns DARE's random
+streams, and knows which tensors to leave to the mean. Rules never write into the deltas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import hashlib
+import warnings
+from typing import Callable
+
+import torch
+
+from isoloco.comm import Communicator, LocalCommunicator
+from isoloco.configbase import ConfigError, check_at_least, check_choice, check_range, option
+from isoloco.ortho import OrthoMethod, ScaleMethod, iso_correct, polar_svd, thin_svd
+
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class NonFiniteDeltaError(ValueError):
+    """A worker's pseudo-gradient contains NaN or inf (its inner training diverged)."""
+
+
+# ---------------------------------------------------------------------------- the rules
+
+
+def mean_rule(deltas: list[torch.Tensor], comm: Communicator) -> torch.Tensor:
+    """Task arithmetic: (1/R) Σ_r Δ_r."""
+    return comm.mean(deltas)
+
+
+def _trim(delta: torch.Tensor, density: float) -> torch.Tensor:
+    """Keep the ⌊density·numel⌋ entries of largest magnitude, zero the rest.
+
+    The count follows peft's `magnitude_based_pruning`; entries tied with the smallest kept
+    magnitude are all kept (a threshold is deterministic on every device, unlike the index
+    order `topk` picks among ties), so the two agree whenever magnitudes are distinct.
+    """
+    keep = int(density * delta.numel())
+    if keep == 0:
+        return torch.zeros_like(delta)
+    magnitude = delta.abs().flatten()
+    threshold = torch.kthvalue(magnitude, magnitude.numel() - keep + 1).values
+    return torch.where(delta.abs() >= threshold, delta, torch.zeros_like(delta))
+
+
+def ties_rule(deltas: list[torch.Tensor], comm: Communicator, *, density: float) -> torch.Tensor:
+    """TIES: trim each delta, elect a sign per entry, average the agreeing entries.
+
+    γ = sign(Σ_r trimmed_r) (0 counts as +, as in peft's "total" method); the result is
+    Σ_r trimmed_r·[sign(trimmed_r) = γ] / max(#agreeing nonzero entries, 1).
+    """
+    trimmed = [_trim(delta, density) for delta in deltas]
+    elected = torch.where(comm.sum(trimmed) >= 0, 1.0, -1.0).to(deltas[0].dtype)
+    agreeing = [(torch.sign(t) == elected).to(t.dtype) for t in trimmed]
+    # Masked sum and count travel as one stacked all-reduce.
+    totals = comm.sum([torch.stack([t * a, a]) for t, a in zip(trimmed, agreeing)])
+    return totals[0] / totals[1].clamp_min(1)
+
+
+def dare_rule(
+    deltas: list[torch.Tensor],
+    comm: Communicator,
+    *,
+    drop_rate: float,
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """DARE: drop each entry with probability p, rescale survivors by 1/(1−p), then mean.
+
+    `generators[k]` draws local worker k's mask (None: torch's global generator). The mask is
+    drawn as peft's `random_pruning` draws it, `bernoulli(full_like(Δ, 1 − p))`, so equal
+    generator states give equal masks.
+    """
+    keep = 1.0 - drop_rate
+    dropped = [
+        delta * torch.bernoulli(torch.full_like(delta, keep), generator=generator) / keep
+        for delta, generator in zip(deltas, generators)
+    ]
+    return comm.mean(dropped)
+
+
+def _matrices_only(rule: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Spectral rules act on matrices; every other tensor (norm gains, biases) takes the mean."""
+
+    @functools.wraps(rule)
+    def rule_or_mean(deltas: list[torch.Tensor], comm: Communicator, **knobs) -> torch.Tensor:
+        if deltas[0].ndim != 2:
+            return mean_rule(deltas, comm)
+        return rule(deltas, comm, **knobs)
+
+    return rule_or_mean
+
+
+def _top_factors(matrix: torch.Tensor, k: int) -> torch.Tensor:
+    """The top-k SVD factors of a matrix packed as one (m + 1 + n) × k tensor [U_k; S_k; V_k],
+    so a worker's factors travel in one all-gather."""
+    u, s, vh = thin_svd(matrix)
+    return torch.cat([u[:, :k], s[None, :k], vh[:k].mT])
+
+
+def _gather_factors(packed: list[torch.Tensor], comm: Communicator, rows: int) -> tuple[torch.Tensor, ...]:
+    """All workers' packed factors, concatenated column-wise: (U m×Rk, S Rk, V n×Rk)."""
+    stacked = torch.cat(comm.gather(packed), dim=1)
+    return stacked[:rows], stacked[rows], stacked[rows + 1 :]
+
+
+def _assemble(u: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """U⊥ diag(s) V⊥ᵀ with U⊥, V⊥ the polar factors of the stacked singular vectors."""
+    return (polar_svd(u).factor * s) @ polar_svd(v).factor.mT
+
+
+@_matrices_only
+def tsv_rule(
+    deltas: list[torch.Tensor],
+    comm: Communicator,
+    *,
+    name: str = "tensor",
+    warned: set[str] | None = None,
+) -> torch.Tensor:
+    """TSV: each worker's top k = ⌊r/R⌋ singular triplets, stacked and decorrelated.
+
+    The stacked U (m×Rk) and V (n×Rk) are replaced by their polar factors, the singular
+    values kept. With k = 0 (more workers than the rank) it falls back to the mean and warns,
+    once per tensor name when `warned` (the names already warned about) is given.
+    """
+    rows, cols = deltas[0].shape
+    k = min(rows, cols) // comm.num_workers
+    if k == 0:
+        if warned is None or name not in warned:
+            warnings.warn(
+                f"TSV on {name!r} ({rows}x{cols}) with {comm.num_workers} workers keeps "
+                f"floor(rank/R) = 0 components per worker; using the mean for this tensor",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            if warned is not None:
+                warned.add(name)
+        return mean_rule(deltas, comm)
+    u, s, v = _gather_factors([_top_factors(delta, k) for delta in deltas], comm, rows)
+    return _assemble(u, s, v)
+
+
+@_matrices_only
+def iso_c_rule(
+    deltas: list[torch.Tensor],
+    comm: Communicator,
+    *,
+    ortho: OrthoMethod = "svd",
+    scale: ScaleMethod = "exact",
+    ns_steps: int = 5,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Iso-C: the mean delta with every singular value replaced by their mean.
+
+    Aggregation (one all-reduce) and the pure `iso_correct` of the aggregate are separate
+    steps, so a distributed engine can shard the correction of many matrices over processes.
+    """
+    return iso_correct(mean_rule(deltas, comm), ortho, scale, ns_steps, ns_dtype)
+
+
+@_matrices_only
+def iso_cts_rule(deltas: list[torch.Tensor], comm: Communicator, *, common_fraction: float) -> torch.Tensor:
+    """Iso-CTS: Iso-C's common subspace plus each worker's own top directions outside it.
+
+    From the SVD of the mean M, the common block keeps the top r − R·s directions, where
+    s = ⌊(r − ⌊f·r⌋)/R⌋ directions go to each worker: the top-s SVD factors of
+    Δ_r − U_c U_cᵀ Δ_r. Common and per-worker blocks are stacked, U and V replaced by their
+    polar factors, and every singular value set to the mean of all r of them.
+    """
+    mean = mean_rule(deltas, comm)
+    rows, cols = mean.shape
+    rank = min(rows, cols)
+    per_worker = (rank - int(common_fraction * rank)) // comm.num_workers
+    common = rank - comm.num_workers * per_worker
+    u, s, vh = thin_svd(mean)
+    u_c, s_c, v_c = u[:, :common], s[:common], vh[:common].mT
+    if per_worker > 0:
+        residuals = [delta - u_c @ (u_c.mT @ delta) for delta in deltas]
+        u_w, s_w, v_w = _gather_factors([_top_factors(r, per_worker) for r in residuals], comm, rows)
+        # Stack the workers' blocks after the common one.
+        u_c, s_c, v_c = torch.cat([u_c, u_w], 1), torch.cat([s_c, s_w]), torch.cat([v_c, v_w], 1)
+    return _assemble(u_c, s_c.mean().expand(rank), v_c)
+
+
+# ------------------------------------------------------------------- public pure functions
+
+
+def check_finite(name: str, deltas: list[torch.Tensor], worker_ids: list[int], round: int | None = None) -> None:
+    """Raise `NonFiniteDeltaError` naming the parameter, worker and round of a NaN/inf delta."""
+    for worker, delta in zip(worker_ids, deltas):
+        if not torch.isfinite(delta).all():
+            when = f" in round {round}" if round is not None else ""
+            raise NonFiniteDeltaError(
+                f"the pseudo-gradient of {name!r} from worker {worker}{when} contains NaN or inf: "
+                f"that worker's inner training diverged; lower the inner learning rate or "
+                f"enable gradient clipping"
+            )
+
+
+def _local(deltas: list[torch.Tensor]) -> Communicator:
+    if not deltas:
+        raise ValueError("a merge needs at least one delta")
+    check_finite("tensor", deltas, list(range(len(deltas))))
+    return LocalCommunicator(len(deltas))
+
+
+def mean(deltas: list[torch.Tensor]) -> torch.Tensor:
+    """Task arithmetic: the mean of the deltas."""
+    return mean_rule(deltas, _local(deltas))
+
+
+def ties(deltas: list[torch.Tensor], density: float = 0.9) -> torch.Tensor:
+    """TIES merge (trim to `density`, elect sign, disjoint mean); see `ties_rule`."""
+    return ties_rule(deltas, _local(deltas), density=density)
+
+
+def dare(
+    deltas: list[torch.Tensor],
+    drop_rate: float = 0.1,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+) -> torch.Tensor:
+    """DARE merge; `generator` is one generator drawn from for every delta in order, one
+    generator per delta, or None for torch's global generator."""
+    comm = _local(deltas)
+    generators = generator if isinstance(generator, list) else [generator] * len(deltas)
+    if len(generators) != len(deltas):
+        raise ValueError(f"got {len(generators)} generators for {len(deltas)} deltas: pass one per delta")
+    return dare_rule(deltas, comm, drop_rate=drop_rate, generators=generators)
+
+
+def tsv(deltas: list[torch.Tensor]) -> torch.Tensor:
+    """Task Singular Vectors merge (2-D tensors; others take the mean)."""
+    return tsv_rule(deltas, _local(deltas))
+
+
+def iso_c(
+    deltas: list[torch.Tensor],
+    ortho: OrthoMethod = "svd",
+    scale: ScaleMethod = "exact",
+    ns_steps: int = 5,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Iso-C merge (2-D tensors; others take the mean)."""
+    return iso_c_rule(deltas, _local(deltas), ortho=ortho, scale=scale, ns_steps=ns_steps, ns_dtype=ns_dtype)
+
+
+def iso_cts(deltas: list[torch.Tensor], common_fraction: float = 0.8) -> torch.Tensor:
+    """Iso-CTS merge (2-D tensors; others take the mean)."""
+    return iso_cts_rule(deltas, _local(deltas), common_fraction=common_fraction)
+
+
+# ------------------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass
+class MergeConfig:
+    """How worker pseudo-gradients are merged (DESIGN §3)."""
+
+    rule: str = option(
+        "mean",
+        "aggregation rule for the workers' pseudo-gradients",
+        choices=("mean", "ties", "dare", "tsv", "iso_c", "iso_cts"),
+    )
+    density: float = option(0.9, "TIES: fraction of each delta's entries kept, by magnitude")
+    drop_rate: float = option(0.1, "DARE: probability of dropping each entry")
+    common_fraction: float = option(0.8, "Iso-CTS: fraction of the rank given to the common subspace")
+    ortho: str = option(
+        "svd",
+        "Iso-C orthogonalisation: exact svd or gram, or approximate newton_schulz / polar_express",
+        choices=("svd", "gram", "newton_schulz", "polar_express"),
+    )
+    scale: str = option(
+        "exact",
+        "Iso-C singular value: exact mean, rms (‖M‖_F/√r) or inner (⟨M, polar(M)⟩/r)",
+        choices=("exact", "rms", "inner"),
+    )
+    ns_steps: int = option(5, "iterations of newton_schulz / polar_express")
+    ns_dtype: str = option(
+        "bfloat16", "dtype of the newton_schulz / polar_express iterations", choices=("bfloat16", "float32")
+    )
+    exclude: list[str] = option(
+        [],
+        "fnmatch patterns of parameter names whose 2-D tensors skip the spectral rules "
+        "(tsv, iso_c, iso_cts) and take the mean; empty = correct every matrix",
+    )
+
+    def validate(self) -> None:
+        for field in dataclasses.fields(self):
+            if "choices" in field.metadata:
+                check_choice(f"merge.{field.name}", getattr(self, field.name), field.metadata["choices"])
+        check_range("merge.density", self.density, 0, 1, low_open=True, high_open=False)
+        check_range("merge.drop_rate", self.drop_rate, 0, 1, low_open=False, high_open=True)
+        check_range("merge.common_fraction", self.common_fraction, 0, 1, low_open=True, high_open=False)
+        check_at_least("merge.ns_steps", self.ns_steps, 1)
+        if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
+            raise ConfigError(
+                f"merge.exclude={self.exclude!r} is not allowed: it must be a list of name patterns, "
+                f"e.g. ['*embed_tokens*', 'lm_head.weight']"
+            )
+
+    def excludes(self, name: str) -> bool:
+        """Whether parameter `name` matches one of the `exclude` patterns."""
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude)
+
+
+# ------------------------------------------------------------------------------- merger
+
+
+@dataclasses.dataclass
+class RuleContext:
+    """What a rule may need beyond the deltas and the communicator."""
+
+    config: MergeConfig
+    name: str
+    generators: list[torch.Generator]  # one per local worker (DARE)
+    warned: set[str]  # tensor names already warned about (TSV's fallback)
+
+
+def iso_c_finalize(aggregate: torch.Tensor, config: MergeConfig) -> torch.Tensor:
+    """Iso-C's pure step: the configured `iso_correct` of the mean delta."""
+    return iso_correct(aggregate, config.ortho, config.scale, config.ns_steps, NS_DTYPES[config.ns_dtype])
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleEntry:
+    """A registered rule, split at its last collective.
+
+    `aggregate` does everything that needs the communicator and returns one tensor per
+    parameter; `finalize(tensor, config)` is an optional pure function of it, run only
+    on the 2-D tensors a spectral rule corrects. Keeping the two apart lets a distributed
+    engine aggregate every parameter, then shard the (costly) finalize over processes.
+    `spectral` rules act on 2-D tensors and honour `MergeConfig.exclude`: every other tensor
+    takes the mean.
+    """
+
+    aggregate: Callable[[list[torch.Tensor], Communicator, RuleContext], torch.Tensor]
+    spectral: bool = False
+    finalize: Callable[[torch.Tensor, MergeConfig], torch.Tensor] | None = None
+
+
+RULES: dict[str, RuleEntry] = {
+    "mean": RuleEntry(lambda d, comm, ctx: mean_rule(d, comm)),
+    "ties": RuleEntry(lambda d, comm, ctx: ties_rule(d, comm, density=ctx.config.density)),
+    "dare": RuleEntry(
+        lambda d, comm, ctx: dare_rule(d, comm, drop_rate=ctx.config.drop_rate, generators=ctx.generators)
+    ),
+    "tsv": RuleEntry(lambda d, comm, ctx: tsv_rule(d, comm, name=ctx.name, warned=ctx.warned), spectral=True),
+    # Iso-C = one all-reduce, then `iso_c_rule`'s correction as a separate, shardable step.
+    "iso_c": RuleEntry(lambda d, comm, ctx: mean_rule(d, comm), spectral=True, finalize=iso_c_finalize),
+    "iso_cts": RuleEntry(
+        lambda d, comm, ctx: iso_cts_rule(d, comm, common_fraction=ctx.config.common_fraction), spectral=True
+    ),
+}
+
+
+def worker_seed(seed: int, worker: int) -> int:
+    """A 64-bit seed for global worker `worker`'s DARE stream, decorrelated across (seed,
+    worker) pairs (seed + worker would give run 0's worker 1 run 1's worker 0 masks)."""
+    digest = hashlib.blake2b(f"isoloco.merge.dare:{seed}:{worker}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class Merger:
+    """Applies the configured rule to each parameter, for the workers this process holds.
+
+    DARE's masks come from one `torch.Generator` per worker, seeded from (seed, global worker
+    id) and created on the deltas' device at first use, so every process layout draws the
+    same masks for the same worker.
+    """
+
+    _GENERATOR_KEY = "dare_generator."
+
+    def __init__(self, cfg: MergeConfig, comm: Communicator, seed: int) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.comm = comm
+        self.seed = seed
+        self._generators: dict[int, torch.Generator] = {}
+        self._pending_states: dict[int, torch.Tensor] = {}  # loaded before first use
+        self._warned: set[str] = set()
+
+    def merge(self, name: str, local_deltas: list[torch.Tensor], round: int | None = None) -> torch.Tensor:
+        """Merge parameter `name`'s local deltas (one per local worker, in order) across all
+        R workers; the deltas are read, never written. Same as `finalize(aggregate(...))`."""
+        return self.finalize(name, self.aggregate(name, local_deltas, round))
+
+    def aggregate(self, name: str, local_deltas: list[torch.Tensor], round: int | None = None) -> torch.Tensor:
+        """The collective part of the merge of parameter `name` (every process must call it)."""
+        worker_ids = self.comm.local_worker_ids
+        if len(local_deltas) != len(worker_ids):
+            raise ValueError(
+                f"{name!r}: got {len(local_deltas)} deltas but this process holds {len(worker_ids)} "
+                f"workers; pass one delta per local worker, in order"
+            )
+        check_finite(name, local_deltas, worker_ids, round)
+        entry = RULES[self.cfg.rule]
+        if entry.spectral and self.cfg.excludes(name):
+            return mean_rule(local_deltas, self.comm)
+        context = RuleContext(self.cfg, name, self._local_generators(local_deltas[0].device), self._warned)
+        return entry.aggregate(local_deltas, self.comm, context)
+
+    def finalize(self, name: str, aggregate: torch.Tensor) -> torch.Tensor:
+        """The pure, per-tensor rest of the merge of `name` (any one process may run it)."""
+        if not self._needs_finalize(name, aggregate):
+            return aggregate
+        return RULES[self.cfg.rule].finalize(aggregate, self.cfg)
+
+    def merge_all(self, local_deltas: dict[str, list[torch.Tensor]], round: int | None = None) -> dict[str, torch.Tensor]:
+        """Merge every parameter: all collectives first, in the mapping's order (the same on
+        every process), then the finalize steps, which the communicator's `shard_map`
+        spreads over the processes. Same results as `merge` on each parameter."""
+        merged = {name: self.aggregate(name, deltas, round) for name, deltas in local_deltas.items()}
+        pending = [name for name, aggregate in merged.items() if self._needs_finalize(name, aggregate)]
+        entry = RULES[self.cfg.rule]
+        finalized = self.comm.shard_map(lambda aggregate: entry.finalize(aggregate, self.cfg), [merged[n] for n in pending])
+        merged.update(zip(pending, finalized))
+        return merged
+
+    def _needs_finalize(self, name: str, aggregate: torch.Tensor) -> bool:
+        return RULES[self.cfg.rule].finalize is not None and aggregate.ndim == 2 and not self.cfg.excludes(name)
+
+    def _local_generators(self, device: torch.device) -> list[torch.Generator]:
+        if self.cfg.rule != "dare":
+            return []
+        return [self._generator(worker, device) for worker in self.comm.local_worker_ids]
+
+    def _generator(self, worker: int, device: torch.device) -> torch.Generator:
+        if worker not in self._generators:
+            generator = torch.Generator(device=device)
+            if worker in self._pending_states:
+                generator.set_state(self._pending_states.pop(worker))
+            else:
+                generator.manual_seed(worker_seed(self.seed, worker))
+            self._generators[worker] = generator
+        return self._generators[worker]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The local workers' DARE generator states as uint8 tensors (safetensors-ready).
+
+        A generator never used is absent: restoring it means seeding it afresh.
+        """
+        states = {worker: g.get_state() for worker, g in self._generators.items()}
+        states.update({worker: s.clone() for worker, s in self._pending_states.items()})
+        return {f"{self._GENERATOR_KEY}{worker}": state for worker, state in sorted(states.items())}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        local = set(self.comm.local_worker_ids)
+        restored: dict[int, torch.Tensor] = {}
+        for key, value in state.items():
+            suffix = key.removeprefix(self._GENERATOR_KEY)
+            worker = int(suffix) if key.startswith(self._GENERATOR_KEY) and suffix.isdigit() else None
+            if worker not in local:
+                raise ValueError(
+                    f"unexpected merger state key {key!r}: expected {self._GENERATOR_KEY}<id> for the "
+                    f"local workers {sorted(local)}"
+                )
+            restored[worker] = value.to(torch.uint8).cpu().clone()
+        self._generators.clear()
+        self._pending_states = restored

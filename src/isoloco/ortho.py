@@ -1,0 +1,332 @@
+"""Orthogonalisation and scale estimators: the two halves of an Iso-C correction.
+
+Iso-C replaces the spectrum of a matrix M = U S Vᵀ (m×n, r = min(m, n)) by its mean:
+
+    iso(M) = mean(S) · U Vᵀ = (‖M‖_* / r) · polar(M)
+
+so it needs an orthogonal factor ``polar(M)`` and a scale. This module offers four ways to
+get the factor and three ways to get the scale, so the exact reference and the fast paths
+share one entry point, `iso_correct`, and can be measured against each other
+(``benchmarks/ortho.py``):
+
+* ``svd``: `torch.linalg.svd`, the reference;
+* ``gram``: the same factor from the eigendecomposition of the small Gram matrix (float64),
+  exact without an SVD;
+* ``newton_schulz``: Muon's quintic iteration (approximate, matmuls only, any dtype);
+* ``polar_express``: the Polar Express per-step schedule (approximate, converges tighter).
+
+Scales: ``exact`` (mean singular value), ``rms`` (‖M‖_F/√r, the paper's fast mode) and
+``inner`` (⟨M, O⟩/r with O the computed factor).
+
+Rank-deficient matrices. The exact paths return the *minimal* polar factor
+M (MᵀM)^{+1/2}: directions whose singular value is numerically zero (see
+`null_rtol`) are left out instead of being completed by arbitrary orthonormal vectors. An
+unconstrained SVD would fill them with rounding noise and Iso-C would then give that noise
+the full mean singular value. The iterative methods approximate the same answer: their odd
+polynomials keep 0 at 0 and grow a rounding-level singular value only by their slope at 0
+per step, not to 1. An all-zero matrix has the all-zero factor under every method, and its
+Iso-C update is zero.
+
+All functions take one matrix or a batch of same-shape matrices (..., m, n).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Callable, Literal
+
+import torch
+
+OrthoMethod = Literal["svd", "gram", "newton_schulz", "polar_express"]
+ScaleMethod = Literal["exact", "rms", "inner"]
+
+#: Muon's quintic coefficients (Jordan et al. 2024): fast initial growth of small singular
+#: values; after 5 steps they sit in roughly [0.68, 1.13] rather than at 1.
+MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+#: Polar Express schedule (Amsel, Persson, Musco, Gower 2025, Algorithm 1): one minimax-
+#: optimal odd quintic per step for singular values in [1e-3, 1]. The last entry is the
+#: limit polynomial (15x − 10x³ + 3x⁵)/8, repeated for longer runs.
+_POLAR_EXPRESS_RAW = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+#: Low-precision rounding can push a singular value slightly above 1, where the aggressive
+#: early polynomials overshoot. The published safety scaling evaluates p(x / s) instead of
+#: p(x), i.e. (a/s, b/s³, c/s⁵), on every step but the last; the input is divided by s too.
+POLAR_EXPRESS_SAFETY = 1.01
+POLAR_EXPRESS_COEFFICIENTS = tuple(
+    (a / POLAR_EXPRESS_SAFETY, b / POLAR_EXPRESS_SAFETY**3, c / POLAR_EXPRESS_SAFETY**5)
+    for a, b, c in _POLAR_EXPRESS_RAW[:-1]
+) + (_POLAR_EXPRESS_RAW[-1],)
+
+
+@dataclasses.dataclass(frozen=True)
+class Polar:
+    """An orthogonal factor (same shape and dtype as the input) and, when the method yields
+    them for free, the singular values (..., r) with numerically null ones set to 0."""
+
+    factor: torch.Tensor
+    singular_values: torch.Tensor | None
+
+
+def _check_matrix(matrix: torch.Tensor) -> None:
+    if matrix.ndim < 2 or not matrix.is_floating_point():
+        raise ValueError(
+            f"expected a floating-point matrix (or a batch of them, shape (..., m, n)), got "
+            f"dtype {matrix.dtype} and shape {tuple(matrix.shape)}"
+        )
+
+
+def _rank(matrix: torch.Tensor) -> int:
+    return min(matrix.shape[-2], matrix.shape[-1])
+
+
+def null_rtol(matrix: torch.Tensor) -> float:
+    """Relative threshold σ ≤ rtol·σ_max below which a singular direction is numerically null.
+
+    rtol = √max(m, n) · eps(dtype): an SVD computes singular values with an absolute error of
+    order eps·σ_max times a slowly growing function of the size, so the "zero" singular values
+    of an exactly rank-deficient float32 matrix come out as ~5e-7·σ_max (1024×1024) to
+    ~1e-6·σ_max (32000×1024), below the 3.8e-6 and 2.1e-5 this gives. numpy's worst-case rank
+    tolerance max(m, n)·eps is deliberately not used: Iso-C gives every kept direction the
+    same weight, so dropping a small but genuine direction changes the update by ~1/√r per
+    direction, and square pseudo-gradients do have genuine singular values near 1e-5·σ_max
+    (the smallest of a 1024×1024 rank-16 signal plus noise measured 1.7e-5, under numpy's
+    1.2e-4).
+    Half-precision inputs are judged at float32 precision, the precision the methods work in.
+    """
+    dtype = torch.promote_types(matrix.dtype, torch.float32)
+    return math.sqrt(max(matrix.shape[-2], matrix.shape[-1])) * torch.finfo(dtype).eps
+
+
+def _null_mask(singular_values: torch.Tensor, rtol: float) -> torch.Tensor:
+    """True where a singular value is numerically null (all of them for a zero matrix)."""
+    largest = singular_values.amax(dim=-1, keepdim=True)
+    return singular_values <= rtol * largest
+
+
+def _tall_view(matrix: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The matrix in the orientation with rows ≥ columns, and whether it was transposed."""
+    wide = matrix.shape[-2] < matrix.shape[-1]
+    return (matrix.mT if wide else matrix), wide
+
+
+def _svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD, computed on the tall orientation in at least float32.
+
+    Tall, because on CPU LAPACK's SVD of the transposed view of a wide matrix was ~3× faster
+    than of the wide matrix itself (1024×2688, one thread); at least float32, because LAPACK
+    has no half precision. If it fails to converge: warn and retry in float64.
+    """
+    tall, transposed = _tall_view(matrix)
+    work_dtype = torch.promote_types(matrix.dtype, torch.float32)
+    try:
+        u, s, vh = torch.linalg.svd(tall.to(work_dtype), full_matrices=False)
+    except torch.linalg.LinAlgError as error:
+        if work_dtype == torch.float64:
+            raise
+        warnings.warn(
+            f"torch.linalg.svd did not converge on a {tuple(matrix.shape)} {matrix.dtype} "
+            f"matrix ({error}); retrying in float64",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        u, s, vh = torch.linalg.svd(tall.double(), full_matrices=False)
+    if transposed:  # M = (U S Vᴴ)ᵀ = V S Uᵀ
+        u, vh = vh.mT, u.mT
+    return u.to(matrix.dtype), s.to(matrix.dtype), vh.to(matrix.dtype)
+
+
+def thin_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD U, S, Vᴴ with numerically null directions zeroed in all three.
+
+    The singular vectors of a null direction are arbitrary (whatever rounding produced), so
+    callers that stack or orthogonalise singular vectors (Iso-C, TSV, Iso-CTS) must not see
+    them. Retries in float64, with a warning, if LAPACK fails to converge.
+    """
+    _check_matrix(matrix)
+    u, s, vh = _svd(matrix)
+    null = _null_mask(s, null_rtol(matrix))
+    return u.masked_fill(null.unsqueeze(-2), 0), s.masked_fill(null, 0), vh.masked_fill(null.unsqueeze(-1), 0)
+
+
+def polar_svd(matrix: torch.Tensor) -> Polar:
+    """Exact polar factor U Vᵀ and singular values from `torch.linalg.svd` (the reference)."""
+    u, s, vh = thin_svd(matrix)
+    return Polar(u @ vh, s)
+
+
+def _gram_eigen(tall: torch.Tensor, vectors: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Eigen-decomposition of G = AᵀA (n×n, float64) of a tall A: singular values (descending,
+    null ones 0) and, if asked, the right singular vectors as columns.
+
+    float64 because forming G squares the condition number: in float64 the eigensolver still
+    resolves σ down to ~√(n·eps64)·σ_max ≈ 1e-7·σ_max, below `null_rtol` for float32 inputs.
+    Float64 inputs get the larger of the two thresholds.
+    """
+    a = tall.double()
+    gram = a.mT @ a
+    if vectors:
+        eigenvalues, eigenvectors = torch.linalg.eigh(gram)
+        eigenvectors = eigenvectors.flip(-1)
+    else:
+        eigenvalues, eigenvectors = torch.linalg.eigvalsh(gram), None
+    sigma = eigenvalues.flip(-1).clamp_min(0).sqrt()
+    resolution = math.sqrt(tall.shape[-1] * torch.finfo(torch.float64).eps)
+    sigma = sigma.masked_fill(_null_mask(sigma, max(null_rtol(tall), resolution)), 0)
+    return sigma, eigenvectors
+
+
+def polar_gram(matrix: torch.Tensor) -> Polar:
+    """Exact polar factor without an SVD: polar(A) = A·W, W = Q Λ^{-1/2} Qᵀ, AᵀA = Q Λ Qᵀ.
+
+    Works on the tall orientation so the Gram matrix is r×r; costs two m·r² matmuls and one
+    r×r symmetric eigendecomposition instead of an m×r SVD. Null directions get weight 0
+    (their 1/σ would explode). Only the Gram matrix and its eigendecomposition need float64;
+    the final A·W runs in the input's precision (at least float32), which halves its cost and
+    errs by ~eps·σ_max/σ_i in direction i — the same order as a float32 SVD's own error in
+    its singular vectors.
+    """
+    _check_matrix(matrix)
+    tall, transposed = _tall_view(matrix)
+    sigma, q = _gram_eigen(tall, vectors=True)
+    inverse_sigma = torch.where(sigma > 0, sigma.reciprocal(), torch.zeros_like(sigma))
+    work_dtype = torch.promote_types(matrix.dtype, torch.float32)
+    factor = tall.to(work_dtype) @ ((q * inverse_sigma.unsqueeze(-2)) @ q.mT).to(work_dtype)
+    factor = factor.mT if transposed else factor
+    return Polar(factor.to(matrix.dtype), sigma.to(matrix.dtype))
+
+
+def singular_values(matrix: torch.Tensor) -> torch.Tensor:
+    """All r singular values, descending, null ones 0, via the Gram eigenvalues (float64).
+
+    Cheaper than `torch.linalg.svdvals` for the tall shapes of a language model and agrees
+    with it to ~1e-7·σ_max, far below what a mean over r values can notice.
+    """
+    _check_matrix(matrix)
+    sigma, _ = _gram_eigen(_tall_view(matrix)[0], vectors=False)
+    return sigma.to(matrix.dtype)
+
+
+def _odd_quintic_iteration(
+    matrix: torch.Tensor,
+    coefficients: list[tuple[float, float, float]],
+    dtype: torch.dtype,
+    headroom: float,
+) -> torch.Tensor:
+    """Apply X ← aX + (bA + cA²)X, A = XXᵀ, once per coefficient triple.
+
+    Each step maps every singular value x of X to a x + b x³ + c x⁵ and keeps the singular
+    vectors. X starts as M/(headroom·‖M‖_F) so all singular values lie in [0, 1]; the
+    iteration runs on the wide orientation (A is r×r, the cheap side). Normalisation is done
+    in float32 with the norm clamped at the smallest normal number rather than offset by an
+    epsilon: a zero matrix stays zero and a tiny but nonzero one is not shrunk further.
+    """
+    _check_matrix(matrix)
+    tall, transposed = _tall_view(matrix)
+    x = tall.mT.float()  # wide
+    norm = torch.linalg.matrix_norm(x, keepdim=True) * headroom
+    x = (x / norm.clamp_min(torch.finfo(torch.float32).tiny)).to(dtype)
+    for a, b, c in coefficients:
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return (x if transposed else x.mT).to(matrix.dtype)
+
+
+def polar_newton_schulz(matrix: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Polar:
+    """Approximate polar factor by Muon's Newton–Schulz iteration (no singular values)."""
+    factor = _odd_quintic_iteration(matrix, [MUON_COEFFICIENTS] * steps, dtype, headroom=1.0)
+    return Polar(factor, None)
+
+
+def polar_express(matrix: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Polar:
+    """Approximate polar factor by the Polar Express schedule (no singular values).
+
+    Steps beyond the published schedule repeat its last (limit) polynomial.
+    """
+    schedule = list(POLAR_EXPRESS_COEFFICIENTS[:steps])
+    schedule += [POLAR_EXPRESS_COEFFICIENTS[-1]] * (steps - len(schedule))
+    factor = _odd_quintic_iteration(matrix, schedule, dtype, headroom=POLAR_EXPRESS_SAFETY)
+    return Polar(factor, None)
+
+
+def scale_exact(matrix: torch.Tensor, polar: Polar) -> torch.Tensor:
+    """The mean singular value ‖M‖_*/r, Iso-C's scale (shape (...)).
+
+    Uses the method's singular values when it produced them; otherwise (Newton–Schulz, Polar
+    Express) computes them from the Gram eigenvalues, which costs most of what the ``gram``
+    path costs: pair ``exact`` with an iterative method only when accuracy of the scale
+    matters more than speed.
+    """
+    sigma = polar.singular_values if polar.singular_values is not None else singular_values(matrix)
+    return sigma.sum(dim=-1) / _rank(matrix)
+
+
+def scale_rms(matrix: torch.Tensor, polar: Polar) -> torch.Tensor:
+    """‖M‖_F/√r: the RMS of the singular values, ≥ their mean (the paper's fast mode)."""
+    del polar  # needs only the matrix
+    return torch.linalg.matrix_norm(matrix) / math.sqrt(_rank(matrix))
+
+
+def scale_inner(matrix: torch.Tensor, polar: Polar) -> torch.Tensor:
+    """⟨M, O⟩/r with O the computed factor: equals the exact mean when O = polar(M).
+
+    For an approximate O = U f(S) Vᵀ it is Σ σ_i f(σ_i)/r, a mean weighted towards the large
+    singular values, which the iterations get right first.
+    """
+    return (matrix * polar.factor).sum(dim=(-2, -1)) / _rank(matrix)
+
+
+POLAR_METHODS: dict[str, Callable[[torch.Tensor, int, torch.dtype], Polar]] = {
+    "svd": lambda matrix, steps, dtype: polar_svd(matrix),
+    "gram": lambda matrix, steps, dtype: polar_gram(matrix),
+    "newton_schulz": polar_newton_schulz,
+    "polar_express": polar_express,
+}
+
+SCALE_METHODS: dict[str, Callable[[torch.Tensor, Polar], torch.Tensor]] = {
+    "exact": scale_exact,
+    "rms": scale_rms,
+    "inner": scale_inner,
+}
+
+
+def orthogonalize(
+    matrix: torch.Tensor,
+    method: OrthoMethod = "svd",
+    ns_steps: int = 5,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> Polar:
+    """The orthogonal factor of `matrix` by `method`; ns_* only affect the iterative ones."""
+    if method not in POLAR_METHODS:
+        raise ValueError(f"unknown orthogonalisation {method!r}: choose one of {', '.join(POLAR_METHODS)}")
+    if ns_steps < 1:
+        raise ValueError(f"ns_steps={ns_steps} is not allowed: it must be >= 1")
+    return POLAR_METHODS[method](matrix, ns_steps, ns_dtype)
+
+
+def iso_correct(
+    matrix: torch.Tensor,
+    ortho: OrthoMethod = "svd",
+    scale: ScaleMethod = "exact",
+    ns_steps: int = 5,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The Iso-C correction scale · polar(M): every singular value replaced by one scale.
+
+    Same shape and dtype as `matrix`; an all-zero matrix gives zeros.
+    """
+    if scale not in SCALE_METHODS:
+        raise ValueError(f"unknown scale estimator {scale!r}: choose one of {', '.join(SCALE_METHODS)}")
+    polar = orthogonalize(matrix, ortho, ns_steps, ns_dtype)
+    factor = SCALE_METHODS[scale](matrix, polar).to(matrix.dtype)
+    return polar.factor * factor[..., None, None]

@@ -1,0 +1,262 @@
+"""The outer step of DiLoCo: merge the workers' pseudo-gradients, then one outer optimizer step.
+
+* `OuterConfig`: SGD (no momentum; lr 1 is FedAvg / task arithmetic) or Nesterov momentum with
+  torch's `SGD(nesterov=True)` semantics: b ← μb + g; u ← g + μb; θ ← θ − ηu.
+* `IsoLoCo`: a standalone `torch.optim.Optimizer` — Nesterov with an Iso-C correction of the
+  2-D parameters, either of the pseudo-gradient before momentum (``gradient``, the paper's
+  IsoLoCo) or of the momentum update (``update``, Muon-like). Any DiLoCo implementation can
+  use it as its outer optimizer by putting the averaged pseudo-gradient in ``p.grad``.
+* `OuterStep`: what the trainer calls once per round: merge every parameter's local deltas
+  through the communicator, write the result to ``p.grad``, step, clear the grads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping
+
+import torch
+
+from isoloco.comm import Communicator
+from isoloco.configbase import ConfigError, check_choice, check_positive, check_range, option
+from isoloco.merge import NS_DTYPES, MergeConfig, Merger
+from isoloco.ortho import OrthoMethod, ScaleMethod, iso_correct
+
+PLACEMENTS = ("gradient", "update")
+
+
+@dataclasses.dataclass
+class OuterConfig:
+    """The outer optimizer that applies the merged pseudo-gradient to the global model."""
+
+    optimizer: str = option("nesterov", "outer optimizer: sgd (no momentum) or nesterov", choices=("sgd", "nesterov"))
+    lr: float = option(0.7, "outer learning rate η")
+    momentum: float = option(0.9, "Nesterov momentum μ (ignored by sgd)")
+    iso_placement: str = option(
+        "gradient",
+        "with merge.rule=iso_c: Iso-C-correct the merged pseudo-gradient before momentum (gradient, "
+        "the paper's IsoLoCo) or the momentum update after it (update)",
+        choices=PLACEMENTS,
+    )
+
+    def validate(self) -> None:
+        check_choice("outer.optimizer", self.optimizer, ("sgd", "nesterov"))
+        check_choice("outer.iso_placement", self.iso_placement, PLACEMENTS)
+        check_positive("outer.lr", self.lr)
+        check_range("outer.momentum", self.momentum, 0, 1, low_open=False, high_open=True)
+        if self.optimizer == "nesterov" and self.momentum == 0:
+            raise ConfigError(
+                "outer.momentum=0 is not allowed with outer.optimizer=nesterov: Nesterov needs "
+                "momentum > 0; use outer.optimizer=sgd for plain SGD"
+            )
+
+    @property
+    def effective_momentum(self) -> float:
+        return self.momentum if self.optimizer == "nesterov" else 0.0
+
+
+def validate_combination(merge: MergeConfig, outer: OuterConfig) -> None:
+    """Checks that involve both configs (each is validated on its own by its `validate`)."""
+    if outer.iso_placement == "update" and merge.rule != "iso_c":
+        raise ConfigError(
+            f"outer.iso_placement=update is not allowed with merge.rule={merge.rule}: it moves the "
+            f"Iso-C correction after the momentum, so it needs merge.rule=iso_c; set "
+            f"merge.rule=iso_c, or outer.iso_placement=gradient to keep {merge.rule}"
+        )
+
+
+def _nesterov(grad: torch.Tensor, state: dict, momentum: float) -> torch.Tensor:
+    """The update u of torch's SGD(nesterov=True, dampening=0), op for op so bits match."""
+    if momentum == 0:
+        return grad
+    buffer = state.get("momentum_buffer")
+    if buffer is None:
+        buffer = state["momentum_buffer"] = torch.clone(grad).detach()
+    else:
+        buffer.mul_(momentum).add_(grad)
+    return grad.add(buffer, alpha=momentum)
+
+
+class IsoLoCo(torch.optim.Optimizer):
+    """Nesterov momentum whose 2-D parameters receive an Iso-C-corrected step.
+
+    Put the (averaged) pseudo-gradient in ``p.grad``, then call `step`. For parameters of a
+    group with ``iso=True`` and two dimensions:
+
+    * ``placement="gradient"``: g ← iso(g); b ← μb + g; θ ← θ − η(g + μb)  (the paper's IsoLoCo)
+    * ``placement="update"``:   b ← μb + g; θ ← θ − η·iso(g + μb)
+
+    Every other parameter (1-D, or in a group with ``iso=False``: e.g. embeddings the caller
+    excludes) takes the plain Nesterov step. The momentum buffer lives in
+    ``state[p]["momentum_buffer"]`` as in `torch.optim.SGD`. The defaults are the paper's
+    IsoLoCo settings at 178M (lr 1.8, momentum 0.8).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1.8,
+        momentum: float = 0.8,
+        placement: str = "gradient",
+        ortho: OrthoMethod = "svd",
+        scale: ScaleMethod = "exact",
+        ns_steps: int = 5,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        iso: bool = True,
+    ) -> None:
+        if not lr > 0:
+            raise ValueError(f"lr={lr} is not allowed: it must be > 0")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum={momentum} is not allowed: it must be in [0, 1)")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement={placement!r} is not allowed: choose one of {', '.join(PLACEMENTS)}")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            placement=placement,
+            ortho=ortho,
+            scale=scale,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            iso=iso,
+        )
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+
+            def iso(matrix: torch.Tensor) -> torch.Tensor:
+                return iso_correct(matrix, group["ortho"], group["scale"], group["ns_steps"], group["ns_dtype"])
+
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                corrected = group["iso"] and param.ndim == 2
+                grad = param.grad
+                if corrected and group["placement"] == "gradient":
+                    grad = iso(grad)
+                update = _nesterov(grad, self.state[param], group["momentum"])
+                if corrected and group["placement"] == "update":
+                    update = iso(update)
+                param.add_(update, alpha=-group["lr"])
+        return loss
+
+
+def build_outer_optimizer(
+    named_params: list[tuple[str, torch.nn.Parameter]], merge: MergeConfig, outer: OuterConfig
+) -> torch.optim.Optimizer:
+    """torch's SGD for every rule, or `IsoLoCo` when the Iso-C correction follows momentum."""
+    if outer.iso_placement == "update":
+        corrected = [p for name, p in named_params if not merge.excludes(name)]
+        excluded = [p for name, p in named_params if merge.excludes(name)]
+        groups = [g for g in (dict(params=corrected), dict(params=excluded, iso=False)) if g["params"]]
+        return IsoLoCo(
+            groups,
+            lr=outer.lr,
+            momentum=outer.effective_momentum,
+            placement="update",
+            ortho=merge.ortho,
+            scale=merge.scale,
+            ns_steps=merge.ns_steps,
+            ns_dtype=NS_DTYPES[merge.ns_dtype],
+        )
+    return torch.optim.SGD(
+        [p for _, p in named_params],
+        lr=outer.lr,
+        momentum=outer.effective_momentum,
+        nesterov=outer.optimizer == "nesterov",
+    )
+
+
+class OuterStep:
+    """Merge the workers' pseudo-gradients and apply them to the global parameters.
+
+    With ``merge.rule=iso_c`` and ``outer.iso_placement=update`` the aggregation is the plain
+    mean and `IsoLoCo` corrects after momentum; every other combination merges with the
+    configured rule and steps with torch's SGD.
+    """
+
+    _BUFFER_KEY = "momentum_buffer."
+    _MERGER_KEY = "merger."
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        merge: MergeConfig,
+        outer: OuterConfig,
+        comm: Communicator,
+        seed: int,
+    ) -> None:
+        merge.validate()
+        outer.validate()
+        validate_combination(merge, outer)
+        self.named_params = list(named_params)
+        self._params = dict(self.named_params)
+        if len(self._params) != len(self.named_params):
+            raise ValueError("parameter names must be unique")
+        aggregation = dataclasses.replace(merge, rule="mean") if outer.iso_placement == "update" else merge
+        self.merger = Merger(aggregation, comm, seed)
+        self.optimizer = build_outer_optimizer(self.named_params, merge, outer)
+
+    def step(self, local_deltas: Mapping[str, list[torch.Tensor]], round: int) -> None:
+        """One outer step. `local_deltas[name]` holds θ − θ_r for each local worker r, in the
+        communicator's order; the deltas are only read, so the caller may reuse their storage
+        afterwards."""
+        if set(local_deltas) != set(self._params):
+            missing = sorted(set(self._params) - set(local_deltas))
+            unexpected = sorted(set(local_deltas) - set(self._params))
+            raise ValueError(
+                f"local_deltas must hold one entry per parameter; missing {missing}, unexpected {unexpected}"
+            )
+        merged_all = self.merger.merge_all({name: local_deltas[name] for name, _ in self.named_params}, round)
+        for name, param in self.named_params:
+            merged = merged_all[name]
+            if merged.shape != param.shape:
+                raise ValueError(f"{name!r}: merged delta has shape {tuple(merged.shape)}, parameter {tuple(param.shape)}")
+            param.grad = merged.to(device=param.device, dtype=param.dtype)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self, include_merger: bool = True) -> dict[str, torch.Tensor]:
+        """A flat snapshot (copies): ``momentum_buffer.<param>`` and ``merger.<key>`` tensors.
+
+        Parameters without a buffer (before the first step, or with no momentum) are absent.
+        With ``include_merger=False`` only the buffers, which every process holds alike; the
+        merger's state belongs to this process's workers (see `Merger.state_dict`).
+        """
+        state = {}
+        for name, param in self.named_params:
+            buffer = self.optimizer.state.get(param, {}).get("momentum_buffer")
+            if buffer is not None:
+                state[self._BUFFER_KEY + name] = buffer.detach().clone()
+        if include_merger:
+            for key, value in self.merger.state_dict().items():
+                state[self._MERGER_KEY + key] = value
+        return state
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore a `state_dict`; continuing afterwards reproduces the original run bit for bit."""
+        buffers, merger_state = {}, {}
+        for key, value in state.items():
+            if key.startswith(self._MERGER_KEY):
+                merger_state[key.removeprefix(self._MERGER_KEY)] = value
+                continue
+            name = key.removeprefix(self._BUFFER_KEY)
+            if not key.startswith(self._BUFFER_KEY) or name not in self._params:
+                raise ValueError(
+                    f"unexpected outer state key {key!r}: expected {self._BUFFER_KEY}<parameter name> "
+                    f"or {self._MERGER_KEY}<key> (is this checkpoint from another model?)"
+                )
+            param = self._params[name]
+            if value.shape != param.shape:
+                raise ValueError(f"{key!r} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
+            buffers[param] = value.to(device=param.device, dtype=param.dtype).clone()
+        self.optimizer.state.clear()
+        for param, buffer in buffers.items():
+            self.optimizer.state[param]["momentum_buffer"] = buffer
+        self.merger.load_state_dict(merger_state)

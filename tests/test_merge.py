@@ -1,0 +1,488 @@
+"""Merge rules: definitions, oracles (peft, numpy), edge cases, layout independence, config."""
+
+import math
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from peft.utils import merge_utils
+
+from isoloco import merge
+from isoloco.comm import Communicator, LocalCommunicator
+from isoloco.configbase import ConfigError
+
+RULE_NAMES = ["mean", "ties", "dare", "tsv", "iso_c", "iso_cts"]
+ORTHOS = ["svd", "gram", "newton_schulz", "polar_express"]
+
+
+def make_deltas(count: int, shape: tuple, seed: int = 0, dtype=torch.float32) -> list[torch.Tensor]:
+    """Pseudo-gradient-like deltas: a shared low-rank direction plus each worker's own noise."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(shape, generator=g, dtype=torch.float64)
+    if len(shape) == 2:
+        rank = min(3, *shape)
+        common = torch.randn(shape[0], rank, generator=g, dtype=torch.float64) @ torch.randn(
+            rank, shape[1], generator=g, dtype=torch.float64
+        )
+    return [(common + torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype) for _ in range(count)]
+
+
+def projector(vectors: torch.Tensor) -> torch.Tensor:
+    return vectors @ vectors.mT
+
+
+def merger(rule: str, workers: int, seed: int = 0, **knobs) -> merge.Merger:
+    return merge.Merger(merge.MergeConfig(rule=rule, **knobs), LocalCommunicator(workers), seed)
+
+
+# ----------------------------------------------------------------- definitions of the rules
+
+
+@pytest.mark.parametrize("shape", [(12, 8), (8, 12)])
+def test_iso_c_flattens_the_spectrum_of_the_mean(shape):
+    deltas = make_deltas(4, shape, dtype=torch.float64)
+    mean = torch.stack(deltas).mean(0)
+    u, s, vh = torch.linalg.svd(mean, full_matrices=False)
+    result = merge.iso_c(deltas)
+    u_out, s_out, vh_out = torch.linalg.svd(result, full_matrices=False)
+    torch.testing.assert_close(s_out, s.mean().expand_as(s), rtol=1e-10, atol=0)
+    # Same singular subspaces (compared as projectors, which ignore sign and order).
+    torch.testing.assert_close(projector(u_out), projector(u), atol=1e-10, rtol=0)
+    torch.testing.assert_close(projector(vh_out.mT), projector(vh.mT), atol=1e-10, rtol=0)
+    torch.testing.assert_close(result, s.mean() * u @ vh, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("ortho", ORTHOS)
+@pytest.mark.parametrize("scale", ["exact", "rms", "inner"])
+def test_iso_c_fast_paths_are_iso_correct_of_the_mean(ortho, scale):
+    from isoloco.ortho import iso_correct
+
+    deltas = make_deltas(3, (10, 14))
+    expected = iso_correct(torch.stack(deltas).sum(0) / 3, ortho, scale, 5, torch.bfloat16)
+    torch.testing.assert_close(merge.iso_c(deltas, ortho, scale), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_merger_iso_c_is_aggregate_then_pure_finalize():
+    deltas = make_deltas(3, (9, 6))
+    m = merger("iso_c", 3, ortho="gram")
+    aggregate = m.aggregate("w", deltas)
+    assert torch.equal(aggregate, merge.mean(deltas))
+    assert torch.equal(m.finalize("w", aggregate), merge.iso_c(deltas, ortho="gram"))
+    assert torch.equal(m.merge("w", deltas), merge.iso_c(deltas, ortho="gram"))
+    vector = make_deltas(3, (6,))
+    assert torch.equal(m.merge("b", vector), merge.mean(vector))
+
+
+@pytest.mark.parametrize("shape", [(12, 8), (8, 12)])
+def test_iso_cts_with_full_common_fraction_is_iso_c(shape):
+    deltas = make_deltas(4, shape)
+    torch.testing.assert_close(merge.iso_cts(deltas, common_fraction=1.0), merge.iso_c(deltas), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("common_fraction", [0.5, 0.8])
+def test_iso_cts_is_isotropic_and_spans_common_plus_worker_directions(common_fraction):
+    deltas = make_deltas(3, (16, 12), dtype=torch.float64)
+    result = merge.iso_cts(deltas, common_fraction=common_fraction)
+    sigma = torch.linalg.svdvals(result)
+    torch.testing.assert_close(sigma, sigma.mean().expand_as(sigma), rtol=1e-8, atol=0)
+    # The common block: the top r − R·s left singular vectors of the mean lie in the result's range.
+    rank, per_worker = 12, (12 - int(common_fraction * 12)) // 3
+    u_mean = torch.linalg.svd(torch.stack(deltas).mean(0))[0][:, : rank - 3 * per_worker]
+    u_out = torch.linalg.svd(result, full_matrices=False)[0]
+    torch.testing.assert_close(projector(u_out) @ u_mean, u_mean, atol=1e-8, rtol=0)
+
+
+def reference_tsv(deltas: list[torch.Tensor]) -> np.ndarray:
+    """TSV straight from its definition, in numpy float64."""
+    arrays = [d.double().numpy() for d in deltas]
+    k = min(arrays[0].shape) // len(arrays)
+    factors = [np.linalg.svd(a, full_matrices=False) for a in arrays]
+    u = np.concatenate([f[0][:, :k] for f in factors], axis=1)
+    s = np.concatenate([f[1][:k] for f in factors])
+    v = np.concatenate([f[2][:k].T for f in factors], axis=1)
+
+    def polar(x):
+        p, _, qt = np.linalg.svd(x, full_matrices=False)
+        return p @ qt
+
+    return polar(u) @ np.diag(s) @ polar(v).T
+
+
+@pytest.mark.parametrize("workers, shape", [(2, (12, 8)), (3, (9, 14)), (4, (8, 8))])
+def test_tsv_matches_its_definition(workers, shape):
+    deltas = make_deltas(workers, shape, dtype=torch.float64)
+    np.testing.assert_allclose(merge.tsv(deltas).numpy(), reference_tsv(deltas), atol=1e-10)
+
+
+def test_tsv_of_one_worker_is_its_delta():
+    (delta,) = make_deltas(1, (9, 6))
+    torch.testing.assert_close(merge.tsv([delta]), delta, atol=1e-5, rtol=1e-5)
+
+
+def test_ties_with_full_density_and_agreeing_signs_is_the_mean():
+    deltas = [d.abs() + 0.1 for d in make_deltas(3, (6, 5))]  # all positive: every sign agrees
+    torch.testing.assert_close(merge.ties(deltas, density=1.0), merge.mean(deltas))
+    negative = [-d for d in deltas]
+    torch.testing.assert_close(merge.ties(negative, density=1.0), merge.mean(negative))
+
+
+@pytest.mark.parametrize("density", [0.3, 0.7, 0.9, 1.0])
+@pytest.mark.parametrize("workers", [2, 3, 5])
+def test_ties_matches_peft(density, workers):
+    """peft's ties with unit weights is the same rule: magnitude trim, "total" sign election,
+    disjoint mean. Magnitudes are distinct, so the trims keep the same entries."""
+    deltas = make_deltas(workers, (7, 9), seed=workers, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft warns that density 1 prunes nothing
+        expected = merge_utils.ties(deltas, torch.ones(workers, dtype=torch.float64), density, "total")
+    torch.testing.assert_close(merge.ties(deltas, density=density), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_ties_keeps_ties_at_the_threshold():
+    delta = torch.tensor([3.0, -1.0, 1.0, 0.5])
+    # density 0.5 keeps 2 entries; |-1| and |1| tie for second place, so both stay.
+    assert torch.equal(merge._trim(delta, 0.5), torch.tensor([3.0, -1.0, 1.0, 0.0]))
+
+
+def test_dare_without_dropping_is_the_mean():
+    deltas = make_deltas(4, (6, 5))
+    assert torch.equal(merge.dare(deltas, drop_rate=0.0), merge.mean(deltas))
+
+
+def test_dare_is_unbiased():
+    deltas = make_deltas(3, (4, 5), dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    draws = 4000
+    total = sum(merge.dare(deltas, drop_rate=0.3, generator=generator) for _ in range(draws))
+    # Each entry's estimator has variance Σ_r Δ_r² · p/(1−p) / R²; allow 5 standard errors.
+    stderr = (torch.stack(deltas).pow(2).sum(0) * (0.3 / 0.7) / 9 / draws).sqrt()
+    assert ((total / draws - merge.mean(deltas)).abs() < 5 * stderr).all()
+
+
+@pytest.mark.parametrize("drop_rate", [0.1, 0.5])
+def test_dare_matches_peft_mask_for_mask(drop_rate):
+    """Masks are drawn as peft draws them (bernoulli of full_like(Δ, 1 − p), delta by delta),
+    so the same generator state gives the same masks; the values differ only in rounding
+    (peft weights each delta by 1/R before summing, the rule divides the sum by R)."""
+    deltas = make_deltas(3, (8, 6))
+    torch.manual_seed(1234)
+    expected = merge_utils.dare_linear(deltas, torch.full((3,), 1 / 3), density=1 - drop_rate)
+    actual = merge.dare(deltas, drop_rate=drop_rate, generator=torch.Generator().manual_seed(1234))
+    assert torch.equal(actual == 0, expected == 0)
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-7)
+    # Torch's global generator (generator=None) is the same stream.
+    torch.manual_seed(1234)
+    assert torch.equal(merge.dare(deltas, drop_rate=drop_rate), actual)
+
+
+# ------------------------------------------------------------------------------ edge cases
+
+
+def run_rule(rule: str, deltas: list[torch.Tensor], **knobs) -> torch.Tensor:
+    return merger(rule, len(deltas), **knobs).merge("weight", deltas)
+
+
+@pytest.mark.filterwarnings("ignore:TSV on")
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@pytest.mark.parametrize("shape", [(6, 4), (4, 6), (1, 5), (5, 1), (5,)])
+def test_all_zero_deltas_give_zeros(rule, shape):
+    deltas = [torch.zeros(shape) for _ in range(3)]
+    assert torch.equal(run_rule(rule, deltas), torch.zeros(shape))
+
+
+@pytest.mark.parametrize("ortho", ORTHOS)
+@pytest.mark.parametrize("scale", ["exact", "rms", "inner"])
+def test_all_zero_deltas_give_zeros_for_every_iso_c_path(ortho, scale):
+    deltas = [torch.zeros(6, 4) for _ in range(2)]
+    assert torch.equal(run_rule("iso_c", deltas, ortho=ortho, scale=scale), torch.zeros(6, 4))
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@pytest.mark.parametrize("shape", [(1, 6), (6, 1)])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_vector_shaped_matrices(rule, shape, workers):
+    """r = 1: Iso-C and Iso-CTS reduce to the mean, TSV to the mean (⌊1/R⌋ = 0) or the delta."""
+    deltas = make_deltas(workers, shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = run_rule(rule, deltas)
+    assert result.shape == shape and torch.isfinite(result).all()
+    if rule in ("mean", "tsv", "iso_c", "iso_cts"):
+        torch.testing.assert_close(result, merge.mean(deltas), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_rank_deficient_deltas(rule):
+    """All deltas share one rank-2 column space: every rule stays finite, and the spectral
+    rules stay inside that space (null directions are never completed with noise)."""
+    g = torch.Generator().manual_seed(5)
+    basis = torch.linalg.qr(torch.randn(10, 2, generator=g))[0]
+    deltas = [basis @ torch.randn(2, 7, generator=g) for _ in range(3)]
+    result = run_rule(rule, deltas)
+    assert torch.isfinite(result).all()
+    if rule not in ("ties", "dare"):  # entrywise rules do not preserve a column space
+        torch.testing.assert_close(basis @ (basis.T @ result), result, atol=1e-5, rtol=1e-5)
+    if rule == "iso_c":
+        sigma = torch.linalg.svdvals(result)
+        mean_sigma = torch.linalg.svdvals(merge.mean(deltas)).sum() / 7
+        torch.testing.assert_close(sigma[:2], mean_sigma.expand(2), rtol=1e-5, atol=0)
+        assert sigma[2:].max() < 1e-5 * sigma[0]
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_one_worker(rule):
+    (delta,) = make_deltas(1, (9, 7))
+    from isoloco.ortho import iso_correct
+
+    expected = {
+        "mean": delta,
+        "ties": merge._trim(delta, 0.9),
+        "tsv": delta,
+        "iso_c": iso_correct(delta),
+        "iso_cts": iso_correct(delta),  # the residual's top directions complete the common ones
+    }
+    result = run_rule(rule, [delta])
+    if rule == "dare":
+        kept = result != 0
+        torch.testing.assert_close(result[kept], delta[kept] / 0.9)
+        assert 0 < kept.sum() < delta.numel()
+    else:
+        torch.testing.assert_close(result, expected[rule], atol=1e-5, rtol=1e-5)
+
+
+def test_tsv_without_components_falls_back_to_mean_and_warns_once_per_name():
+    m = merger("tsv", 5)
+    deltas = make_deltas(5, (4, 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = m.merge("layer.0.weight", deltas)
+        m.merge("layer.0.weight", deltas)
+        m.merge("layer.1.weight", deltas)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2
+    assert "layer.0.weight" in messages[0] and "layer.1.weight" in messages[1]
+    torch.testing.assert_close(first, merge.mean(deltas))
+
+
+@pytest.mark.parametrize("rule", ["tsv", "iso_c", "iso_cts"])
+def test_spectral_rules_take_the_mean_of_non_matrices(rule):
+    deltas = make_deltas(3, (4, 3, 2))
+    assert torch.equal(run_rule(rule, deltas), merge.mean(deltas))
+    vectors = make_deltas(3, (7,))
+    assert torch.equal(run_rule(rule, vectors), merge.mean(vectors))
+
+
+@pytest.mark.parametrize("rule", ["tsv", "iso_c", "iso_cts"])
+def test_excluded_matrices_take_the_mean(rule):
+    m = merger(rule, 2, exclude=["*embed*", "lm_head.weight"])
+    deltas = make_deltas(2, (8, 6))
+    assert torch.equal(m.merge("model.embed_tokens.weight", deltas), merge.mean(deltas))
+    assert torch.equal(m.merge("lm_head.weight", deltas), merge.mean(deltas))
+    assert not torch.allclose(m.merge("model.layers.0.mlp.weight", deltas), merge.mean(deltas))
+
+
+def test_non_finite_delta_names_parameter_worker_and_round():
+    comm = ProcessGroup(2).communicators(workers_per_process=2)[1]  # holds workers 2 and 3
+    m = merge.Merger(merge.MergeConfig(rule="mean"), comm, seed=0)
+    deltas = make_deltas(2, (3, 3))
+    deltas[1][0, 0] = float("nan")
+    with pytest.raises(merge.NonFiniteDeltaError, match=r"'blocks.3.attn.weight' from worker 3 in round 7"):
+        m.merge("blocks.3.attn.weight", deltas, round=7)
+    deltas[1][0, 0] = float("inf")
+    with pytest.raises(ValueError, match="worker 1"):
+        merge.iso_c([torch.ones(2, 2), deltas[1]])
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_deltas_are_not_modified(rule):
+    deltas = make_deltas(3, (6, 5))
+    copies = [d.clone() for d in deltas]
+    run_rule(rule, deltas)
+    assert all(torch.equal(d, c) for d, c in zip(deltas, copies))
+
+
+def test_wrong_number_of_deltas():
+    with pytest.raises(ValueError, match="one delta per local worker"):
+        merger("mean", 3).merge("w", make_deltas(2, (2, 2)))
+
+
+# -------------------------------------------------------------------- communication cost
+
+
+@pytest.mark.parametrize(
+    "rule, floats",
+    [
+        ("mean", lambda m, n, R: m * n),
+        ("dare", lambda m, n, R: m * n),
+        ("iso_c", lambda m, n, R: m * n),
+        ("ties", lambda m, n, R: 3 * m * n),
+        ("tsv", lambda m, n, R: (min(m, n) // R) * (m + n + 1)),
+        ("iso_cts", lambda m, n, R: m * n + ((min(m, n) - int(0.8 * min(m, n))) // R) * (m + n + 1)),
+    ],
+)
+def test_bytes_sent_per_worker(rule, floats):
+    m, n, workers = 24, 20, 2
+    comm = LocalCommunicator(workers)
+    merge.Merger(merge.MergeConfig(rule=rule), comm, seed=0).merge("w", make_deltas(workers, (m, n)))
+    assert comm.reset_bytes() == 4 * floats(m, n, workers)
+
+
+# ------------------------------------------------------------------ layout independence
+
+
+class ProcessGroup:
+    """Processes simulated by threads that exchange tensors through shared slots."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.slots: list = [None] * world_size
+        self.barrier = threading.Barrier(world_size, timeout=60)
+
+    def communicators(self, workers_per_process: int) -> list["ThreadCommunicator"]:
+        return [ThreadCommunicator(self, rank, workers_per_process) for rank in range(self.world_size)]
+
+    def exchange(self, rank: int, item) -> list:
+        self.slots[rank] = item
+        self.barrier.wait()
+        items = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before everyone has read it
+        return items
+
+
+class ThreadCommunicator(Communicator):
+    """One simulated process holding `workers_per_process` consecutive workers."""
+
+    def __init__(self, group: ProcessGroup, rank: int, workers_per_process: int) -> None:
+        super().__init__()
+        self.group, self.rank, self.workers_per_process = group, rank, workers_per_process
+
+    @property
+    def num_workers(self) -> int:
+        return self.group.world_size * self.workers_per_process
+
+    @property
+    def local_worker_ids(self) -> list[int]:
+        start = self.rank * self.workers_per_process
+        return list(range(start, start + self.workers_per_process))
+
+    def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = self.group.exchange(self.rank, tensor)
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total.add_(part)
+        return total
+
+    def _gather_across_processes(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t for part in self.group.exchange(self.rank, list(tensors)) for t in part]
+
+
+PARAMETERS = {"wide.weight": (10, 16), "tall.weight": (18, 8), "norm.weight": (8,)}
+
+
+def merge_all(m: merge.Merger, deltas: dict[str, list[torch.Tensor]], rounds: int) -> list[dict[str, torch.Tensor]]:
+    return [{name: m.merge(name, ds, round=t) for name, ds in deltas.items()} for t in range(rounds)]
+
+
+def merge_in_processes(cfg: merge.MergeConfig, deltas, world_size: int, rounds: int):
+    workers_per_process = len(next(iter(deltas.values()))) // world_size
+    comms = ProcessGroup(world_size).communicators(workers_per_process)
+    results: list = [None] * world_size
+
+    def run(rank: int) -> None:
+        ids = comms[rank].local_worker_ids
+        local = {name: [ds[i] for i in ids] for name, ds in deltas.items()}
+        results[rank] = merge_all(merge.Merger(cfg, comms[rank], seed=11), local, rounds)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(r is not None for r in results), "a simulated process failed"
+    return results
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_rules_do_not_depend_on_the_process_layout(rule, world_size):
+    """4 workers in one process == 4 workers spread over processes, for every rule (DARE's
+    masks included: each worker's stream is seeded by its global id)."""
+    cfg = merge.MergeConfig(rule=rule, drop_rate=0.3)
+    deltas = {name: make_deltas(4, shape, seed=i) for i, (name, shape) in enumerate(PARAMETERS.items())}
+    expected = merge_all(merge.Merger(cfg, LocalCommunicator(4), seed=11), deltas, rounds=2)
+    for per_process in merge_in_processes(cfg, deltas, world_size, rounds=2):
+        for got_round, want_round in zip(per_process, expected):
+            for name in PARAMETERS:
+                torch.testing.assert_close(got_round[name], want_round[name], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------- merger state
+
+
+def test_dare_state_round_trip_continues_identically():
+    deltas = make_deltas(3, (5, 4))
+    original = merger("dare", 3, seed=4)
+    original.merge("w", deltas)
+    state = original.state_dict()
+    assert set(state) == {"dare_generator.0", "dare_generator.1", "dare_generator.2"}
+    assert all(v.dtype == torch.uint8 for v in state.values())
+    expected = [original.merge("w", deltas) for _ in range(2)]
+
+    restored = merger("dare", 3, seed=999)  # the seed no longer matters once state is loaded
+    restored.load_state_dict(state)
+    assert all(torch.equal(restored.merge("w", deltas), e) for e in expected)
+
+
+def test_dare_streams_depend_on_seed_and_worker():
+    (delta,) = make_deltas(1, (6, 6))
+    dropped = merger("dare", 2, seed=1, drop_rate=0.5).merge("w", [delta, delta])
+    # An entry equals Δ only if exactly one worker kept it ((2Δ + 0)/2): the masks differ.
+    assert (dropped == delta).any()
+    other_seed = merger("dare", 2, seed=2, drop_rate=0.5).merge("w", [delta, delta])
+    assert not torch.equal(dropped, other_seed)
+
+
+def test_state_of_unused_generators_is_empty_and_bad_keys_are_rejected():
+    assert merger("mean", 2).state_dict() == {}
+    with pytest.raises(ValueError, match="unexpected merger state key"):
+        merger("dare", 2).load_state_dict({"dare_generator.5": torch.zeros(1, dtype=torch.uint8)})
+
+
+# ------------------------------------------------------------------------------- config
+
+
+def test_registry_matches_config_choices():
+    import dataclasses
+
+    choices = {f.name: f.metadata.get("choices") for f in dataclasses.fields(merge.MergeConfig)}
+    assert set(merge.RULES) == set(choices["rule"]) == set(RULE_NAMES)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(rule="median"), "merge.rule"),
+        (dict(density=0.0), "merge.density"),
+        (dict(density=1.5), "merge.density"),
+        (dict(drop_rate=1.0), "merge.drop_rate"),
+        (dict(drop_rate=-0.1), "merge.drop_rate"),
+        (dict(common_fraction=0.0), "merge.common_fraction"),
+        (dict(ortho="qr"), "merge.ortho"),
+        (dict(scale="median"), "merge.scale"),
+        (dict(ns_steps=0), "merge.ns_steps"),
+        (dict(ns_dtype="float16"), "merge.ns_dtype"),
+        (dict(exclude="lm_head.weight"), "merge.exclude"),
+    ],
+)
+def test_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        merge.MergeConfig(**overrides).validate()
+
+
+def test_default_config_is_valid_and_corrects_every_matrix():
+    cfg = merge.MergeConfig()
+    cfg.validate()
+    assert cfg.exclude == [] and not cfg.excludes("model.embed_tokens.weight")
+    assert math.isclose(cfg.density, 0.9) and cfg.rule == "mean" and cfg.ortho == "svd"
