@@ -13,6 +13,7 @@ be measured the same way in every layout.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable
 
 import torch
 
@@ -62,6 +63,16 @@ class Communicator(ABC):
         """
         self._count(local[0])
         return self._gather_across_processes(local)
+
+    def shard_map(self, fn: Callable[[torch.Tensor], torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`[fn(t) for t in tensors]` for a pure, shape- and dtype-keeping `fn` (e.g. Iso-C's
+        orthogonalisation of merged matrices that every process holds).
+
+        With several processes each computes its share of the results and sends them to the
+        others, so the time falls with the number of processes; every process must call it
+        with the same tensors, in the same order.
+        """
+        return [fn(tensor) for tensor in tensors]
 
     def _count(self, tensor: torch.Tensor) -> None:
         self.bytes_sent_per_worker += tensor.numel() * tensor.element_size()
