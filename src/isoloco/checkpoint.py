@@ -73,34 +73,68 @@ def save_checkpoint(root: Path, step: int, tensor_files: dict[str, dict[str, tor
     place. On an OS error (e.g. a full disk) the partial directory is removed, the previous
     checkpoints stay intact, and the error propagates with a message saying so.
     """
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{_PREFIX}{step:08d}"
-    tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    staging = None
     try:
-        tmp.mkdir()
+        staging = stage_checkpoint(root, step)
         checksums = {}
         for stem, tensors in tensor_files.items():
-            path = tmp / f"{stem}.safetensors"
-            save_file(_contiguous(tensors), str(path))
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-            checksums[path.name] = _sha256(path)
-        payload = {"format_version": FORMAT_VERSION, "step": step, "checksums": checksums, **state}
-        write_json_atomic(tmp / STATE_FILE, payload)
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+            checksums.update(write_tensor_file(staging, stem, tensors))
+        final = publish_checkpoint(root, staging, step, checksums, state)
     except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest_checkpoint(root)
-        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        raise CheckpointError(f"could not write checkpoint at step {step} ({err.strerror or err}); {kept}") from err
+        raise abandon_checkpoint(root, staging, step, err.strerror or str(err)) from err
+    prune_checkpoints(root, keep)
+    return final
+
+
+# The steps of `save_checkpoint`, public so that several processes can each write their own
+# tensor files into one staging directory before a single one publishes it.
+
+
+def stage_checkpoint(root: Path, step: int) -> Path:
+    """Create the empty temporary directory that checkpoint `step` is written into."""
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f"{_TMP_PREFIX}{_PREFIX}{step:08d}-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return staging
+
+
+def write_tensor_file(staging: Path, stem: str, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Write and sync `stem.safetensors` in `staging`; return {file name: SHA-256}."""
+    path = staging / f"{stem}.safetensors"
+    save_file(_contiguous(tensors), str(path))
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+    return {path.name: _sha256(path)}
+
+
+def publish_checkpoint(root: Path, staging: Path, step: int, checksums: dict[str, str],
+                       state: dict[str, Any]) -> Path:
+    """Write state.json (last: it makes the files a checkpoint) and rename `staging` into place."""
+    payload = {"format_version": FORMAT_VERSION, "step": step, "checksums": checksums, **state}
+    write_json_atomic(staging / STATE_FILE, payload)
+    _fsync_dir(staging)
+    final = root / f"{_PREFIX}{step:08d}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync_dir(root)
+    return final
+
+
+def abandon_checkpoint(root: Path, staging: Path | None, step: int, reason: str) -> CheckpointError:
+    """Remove a partial checkpoint; return the error to raise, saying what survived."""
+    if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+    previous = latest_checkpoint(root)
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    return CheckpointError(f"could not write checkpoint at step {step} ({reason}); {kept}")
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` complete checkpoints."""
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def list_checkpoints(root: Path) -> list[Path]:

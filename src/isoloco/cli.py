@@ -1,4 +1,4 @@
-"""Command line: `isoloco train | data prepare | export`.
+"""Command line: `isoloco train | launch | data prepare | export`.
 
 User errors (bad keys or values, bad data, an occupied output directory) print one line
 `error: ...` and exit with status 2 before any work starts.
@@ -20,7 +20,10 @@ from isoloco.config import TrainConfig, describe_keys, from_dict, parse_override
 from isoloco.configbase import ConfigError
 from isoloco.data import DataError
 from isoloco.data.cli import add_data_commands
+from isoloco.distributed import CollectiveError, Distributed, process_group
+from isoloco.launch import add_launch_command
 from isoloco.stop import StopRequested
+from isoloco.watchdog import EXIT_PEER_LOST, PeerLostError
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
 CONFIG_FILE = "config.yaml"
@@ -66,8 +69,6 @@ def _load_run_config(run_dir: Path) -> TrainConfig:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from isoloco.trainer import Trainer  # heavy imports only once arguments are known good
-
     say = (lambda _msg: None) if args.quiet else print
     if args.resume:
         if args.items:
@@ -80,26 +81,43 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = resolve(preset if preset is not None else ("quick" if not items else None), parse_overrides(items))
         out = Path(args.out) if args.out else Path("runs") / f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}"
         _check_out_dir(out, args.force)
+    # Under torchrun every process runs this; one process alone joins nothing.
+    with process_group(cfg):
+        return _train(args, cfg, out, say)
+
+
+def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path, say) -> int:
+    from isoloco.trainer import Trainer  # heavy imports only once arguments are known good
+
+    dist = Distributed(cfg)
+    say = say if dist.is_main else (lambda _msg: None)  # rank 0 speaks and writes the run's files
+    out = dist.broadcast_object(out)  # a default name holds a timestamp: take rank 0's
     # Building the trainer loads and checks the data and the device: fail before touching `out`.
-    trainer = Trainer(cfg, out, progress=not args.quiet, say=say)
-    if not args.resume:
-        _prepare_out_dir(out, args.force)
-        write_text_atomic(out / CONFIG_FILE, yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    if not (out / RUN_TOKENIZER).exists():
-        # The run directory carries its tokenizer, so `isoloco export` needs nothing else.
-        write_text_atomic(out / RUN_TOKENIZER, Path(trainer.data.tokenizer_path).read_text())
+    trainer = Trainer(cfg, out, dist=dist, progress=not args.quiet and dist.is_main, say=say)
+    dist.barrier()  # every process checked `out` before rank 0 changes it
+    if dist.is_main:
+        if not args.resume:
+            _prepare_out_dir(out, args.force)
+            write_text_atomic(out / CONFIG_FILE, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        if not (out / RUN_TOKENIZER).exists():
+            # The run directory carries its tokenizer, so `isoloco export` needs nothing else.
+            write_text_atomic(out / RUN_TOKENIZER, Path(trainer.data.tokenizer_path).read_text())
+    dist.barrier()
+    processes = f" x {dist.world_size} processes" if dist.world_size > 1 else ""
     say(f"{cfg.method} ({cfg.algorithm}): model {cfg.model} with {trainer.num_params:,} parameters, "
-        f"R={cfg.num_workers}, H={cfg.inner_steps}, {cfg.steps} steps on {trainer.device}")
+        f"R={cfg.num_workers}, H={cfg.inner_steps}, {cfg.steps} steps on {trainer.device}{processes}")
     try:
         summary = trainer.run(resume=bool(args.resume))
     except StopRequested as stopped:
-        print(f"{stopped}; continue with: isoloco train --resume {out}", file=sys.stderr)
+        if dist.is_main:
+            print(f"{stopped}; continue with: isoloco train --resume {out}", file=sys.stderr)
         return 128 + stopped.signum
-    summary["unigram_baseline"] = trainer.data.unigram_loss
-    write_json_atomic(out / "summary.json", summary)
-    print(f"results in {out}")
-    print(f"final validation loss {summary['final_val_loss']:.4f} "
-          f"(unigram baseline {summary['unigram_baseline']:.4f})")
+    if dist.is_main:
+        summary["unigram_baseline"] = trainer.data.unigram_loss
+        write_json_atomic(out / "summary.json", summary)
+        print(f"results in {out}")
+        print(f"final validation loss {summary['final_val_loss']:.4f} "
+              f"(unigram baseline {summary['unigram_baseline']:.4f})")
     return 0
 
 
@@ -120,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="isoloco train [PRESET|FILE.yaml] [key=value ...] [--out DIR | --resume DIR] [--force] [--quiet]",
         description="With no arguments, runs the `quick` preset. Presets: " + ", ".join(preset_names()) + ".",
-        epilog="keys (key = default {allowed}):\n" + describe_keys() + "\n\n`data=X` is short for `data.source=X`.")
+        epilog="keys (key = default {allowed}):\n" + describe_keys() + "\n\n`data=X` is short for `data.source=X`, "
+               "`gpus_per_worker=G` for `dist.gpus_per_worker=G`.")
     train.add_argument("items", nargs="*", help=argparse.SUPPRESS)
     train.add_argument("--out", help="run directory (default runs/METHOD-TIMESTAMP)")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
@@ -129,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     add_data_commands(commands)
+    add_launch_command(commands)
 
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a run directory (its latest checkpoint) or a checkpoint directory")
@@ -148,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     except (*USER_ERRORS, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except (PeerLostError, CollectiveError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_PEER_LOST
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

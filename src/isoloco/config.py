@@ -19,6 +19,7 @@ import yaml
 
 from isoloco.configbase import ConfigError, check_at_least, check_choice, check_range, option
 from isoloco.data import DataConfig
+from isoloco.distributed import DistConfig
 from isoloco.inner import InnerConfig
 from isoloco.merge import MergeConfig
 from isoloco.methods import METHODS
@@ -61,6 +62,7 @@ class TrainConfig:
     outer: OuterConfig = dataclasses.field(default_factory=OuterConfig, metadata={"doc": "outer optimizer section"})
     merge: MergeConfig = dataclasses.field(default_factory=MergeConfig, metadata={"doc": "merge rule section"})
     log: LogConfig = dataclasses.field(default_factory=LogConfig, metadata={"doc": "logging section"})
+    dist: DistConfig = dataclasses.field(default_factory=DistConfig, metadata={"doc": "multi-process (torchrun) section"})
 
     @property
     def micro_batch_size(self) -> int:
@@ -98,7 +100,7 @@ class TrainConfig:
             raise ConfigError(
                 f"micro_batch={self.micro_batch} does not divide the {per_worker} sequences each worker takes per "
                 f"step; use a divisor of {per_worker} or 0")
-        for section in (self.data, self.inner, self.outer, self.merge, self.log):
+        for section in (self.data, self.inner, self.outer, self.merge, self.log, self.dist):
             section.validate()
         validate_combination(self.merge, self.outer)
 
@@ -137,8 +139,9 @@ def list_keys(cls: type = TrainConfig, prefix: str = "") -> list[Key]:
     return keys
 
 
-#: `data=X` is short for `data.source=X`, the one data key people set most.
-ALIASES = {"data": "data.source"}
+#: `data=X` is short for `data.source=X`, the one data key people set most; `gpus_per_worker=G`
+#: for `dist.gpus_per_worker=G`, the layout key of the distributed engine.
+ALIASES = {"data": "data.source", "gpus_per_worker": "dist.gpus_per_worker"}
 
 
 def _coerce(key: Key, raw: Any) -> Any:

@@ -64,3 +64,17 @@ class MetricsLog:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     with open(path) as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+class NullMetricsLog:
+    """Stands in for `MetricsLog` on every process but rank 0: metrics are computed (their
+    reductions are collectives every process joins) but written once."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def flush(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass

@@ -10,6 +10,10 @@ A round is:
 The data-parallel baseline runs the same loop with one model trained on the global batch
 and no merge. Evaluation and checkpoints happen at round boundaries, where every worker
 equals θ, so a checkpoint needs θ, the outer state and each worker's optimizer state only.
+
+Under torchrun the same loop runs in every process (`isoloco.distributed`): each holds its
+island's workers and its share of their batches, averages gradients within its island,
+merges across islands, and evaluates a share of the validation set; rank 0 writes metrics.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from isoloco import checkpoint as ckpt
-from isoloco.comm import Communicator, LocalCommunicator
+from isoloco import sharded_checkpoint
 from isoloco.config import TrainConfig, to_dict
 from isoloco.configbase import ConfigError
 from isoloco.data import Batches, TokenData, load_token_data, validation_batches
+from isoloco.distributed import Distributed
 from isoloco.inner import InnerOptimizer
-from isoloco.metrics import MetricsLog
+from isoloco.metrics import MetricsLog, NullMetricsLog
 from isoloco.model import build_model, count_parameters
 from isoloco.outer import OuterStep
 from isoloco.stop import GracefulStop, StopRequested
@@ -57,13 +62,16 @@ class Worker:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, out_dir: Path, comm: Communicator | None = None,
+    _MERGER = "merger."  # prefix of the merger's (DARE generators') keys in a workers checkpoint file
+
+    def __init__(self, cfg: TrainConfig, out_dir: Path, dist: Distributed | None = None,
                  progress: bool = True, say: Callable[[str], None] = print):
         self.cfg = cfg
         self.out_dir = Path(out_dir)
         self.say = say
         self.progress = progress
-        self.device = resolve_device(cfg.device)
+        self.dist = dist or Distributed(cfg)
+        self.device = self.dist.place(resolve_device(cfg.device))
         self.data: TokenData = load_token_data(cfg.data)
         self.batches = Batches(self.data.train, cfg.seq_len, cfg.global_batch, cfg.seed)
         self.batches.check_budget(cfg.steps, cfg.data.allow_repeat)
@@ -72,7 +80,7 @@ class Trainer:
         self.num_params = count_parameters(self.model)
         self.named_params = list(self.model.named_parameters())
         self.params = [p for _, p in self.named_params]
-        self.comm = comm or LocalCommunicator(cfg.num_workers)
+        self.comm = self.dist.comm
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else nullcontext())
         self.storage = torch.device("cpu") if cfg.offload_workers else self.device
@@ -111,9 +119,10 @@ class Trainer:
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1))
 
     def _worker_rows(self, step: int, worker: Worker) -> torch.Tensor:
+        """This process's share of what `worker` (dp: the one model) trains on at `step`."""
         if not self.diloco:
-            return self.batches.rows(step, 0, self.cfg.global_batch)
-        return self.batches.worker_batch(step, worker.index, self.cfg.workers)
+            return self.dist.shard_rows(self.batches.rows(step, 0, self.cfg.global_batch))
+        return self.dist.shard_rows(self.batches.worker_batch(step, worker.index, self.cfg.workers))
 
     # -- one round ---------------------------------------------------------------------------
 
@@ -126,6 +135,7 @@ class Trainer:
         losses = torch.zeros(end - start, device=self.device)
         for step in range(start, end):
             losses[step - start] = self._forward_backward(self._worker_rows(step, worker))
+            self.dist.average_gradients(self.params)
             worker.optimizer.step(step)
         if self.diloco:
             # Δ = θ − θ_r, computed in the compute buffers then kept by the worker until the merge.
@@ -137,8 +147,8 @@ class Trainer:
         return losses
 
     def _round(self, start: int, end: int) -> torch.Tensor:
-        """One round (or, for dp, one segment); returns the mean loss per step over workers."""
-        losses = torch.stack([self._run_worker(w, start, end) for w in self.workers]).mean(dim=0)
+        """One round (or, for dp, one segment); returns the mean loss per step over all workers."""
+        losses = self.dist.mean(torch.stack([self._run_worker(w, start, end) for w in self.workers]).mean(dim=0))
         if self.diloco:
             names = [n for n, _ in self.named_params]
             deltas = {name: [w.delta[i].to(self.device, non_blocking=True) for w in self.workers]
@@ -150,15 +160,17 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Validation loss of θ on the fixed held-out windows (token-weighted mean)."""
+        """Validation loss of θ on the fixed held-out windows (token-weighted mean); each
+        process scores its share of the batches."""
         if self.diloco:
             torch._foreach_copy_(self.params, self.global_params)
         self.model.eval()
-        total, count = 0.0, 0
-        for rows in self.val:
-            total += self._loss(rows.to(self.device)).item() * rows.size(0)
-            count += rows.size(0)
+        totals = torch.zeros(2, dtype=torch.float64)  # loss x rows, rows
+        for rows in self.val[self.dist.rank::self.dist.world_size]:
+            totals[0] += self._loss(rows.to(self.device)).item() * rows.size(0)
+            totals[1] += rows.size(0)
         self.model.train()
+        total, count = self.dist.sum(totals).tolist()
         return total / count
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -167,56 +179,68 @@ class Trainer:
         return self.out_dir / "checkpoints"
 
     def save(self, metrics_offset: int) -> Path:
+        """Checkpoint at a round boundary. Rank 0 writes θ and the outer state, which every
+        process holds alike; the first process of each island its workers' state."""
         names = [n for n, _ in self.named_params]
-        tensor_files: dict[str, dict[str, torch.Tensor]] = {
-            "global": dict(zip(names, self.global_params))}
-        inner_tensors: dict[str, torch.Tensor] = {}
-        inner_scalars: dict[str, Any] = {}
-        for worker in self.workers:
-            for j, state in enumerate(worker.optimizer.state_dicts()):
-                tensors, scalars = ckpt.flatten_optimizer_state(state, f"w{worker.index}.opt{j}")
-                inner_tensors.update(tensors)
-                inner_scalars.update(scalars)
-        tensor_files["inner"] = inner_tensors
-        if self.diloco:
-            tensor_files["outer"] = self.outer.state_dict()
+        files: dict[str, dict[str, torch.Tensor]] = {}
+        scalars: dict[str, Any] = {}
+        if self.dist.is_main:
+            files["global"] = dict(zip(names, self.global_params))
+            if self.diloco:
+                files["outer"] = self.outer.state_dict(include_merger=False)
+        if self.dist.writes_worker_state:
+            worker_tensors: dict[str, torch.Tensor] = {}
+            for worker in self.workers:
+                for j, state in enumerate(worker.optimizer.state_dicts()):
+                    tensors, worker_scalars = ckpt.flatten_optimizer_state(state, f"w{worker.index}.opt{j}")
+                    worker_tensors.update(tensors)
+                    scalars.update(worker_scalars)
+            if self.diloco:
+                worker_tensors.update({self._MERGER + k: v for k, v in self.outer.merger.state_dict().items()})
+            files[self._workers_file()] = worker_tensors
         state = {
             "elapsed_s": self.elapsed,
             "metrics_offset": metrics_offset,
             "last_val_loss": self.last_val_loss,
-            "inner_scalars": inner_scalars,
-            "layout": {"workers": self.cfg.num_workers, "local_workers": [w.index for w in self.workers]},
+            "layout": self.dist.layout.describe(),
             "config": to_dict(self.cfg),
         }
-        return ckpt.save_checkpoint(self._checkpoint_dir(), self.step, tensor_files, state,
-                                    self.cfg.keep_checkpoints)
+        return sharded_checkpoint.save(self.dist, self._checkpoint_dir(), self.step, files, scalars, state,
+                                       self.cfg.keep_checkpoints)
+
+    def _workers_file(self) -> str:
+        """The checkpoint file holding the state of this process's island's workers."""
+        return f"workers-{self.dist.layout.island}"
 
     def restore(self) -> int | None:
         """Load the newest valid checkpoint; return the metrics file offset to truncate to."""
-        root = self._checkpoint_dir()
-        ckpt.remove_partial(root)
-        found = ckpt.load_latest(root, warn=lambda message: print(message, file=sys.stderr))
+        found = sharded_checkpoint.find_latest(self.dist, self._checkpoint_dir(),
+                                               warn=lambda message: print(message, file=sys.stderr))
         if found is None:
             return None
         path, state = found
-        layout = {"workers": self.cfg.num_workers, "local_workers": [w.index for w in self.workers]}
-        if state["layout"] != layout:
+        layout = self.dist.layout.describe()
+        if state.get("layout") != layout:
             raise ckpt.CheckpointError(
-                f"checkpoint {path} was written with layout {state['layout']}, this run has {layout}; "
-                "resume with the same number of workers and processes")
+                f"checkpoint {path} was written with layout {state.get('layout')}, this run has {layout}; "
+                "resume with the same number of workers and processes and the same gpus_per_worker "
+                "(isoloco launch --nproc N -- train --resume DIR starts N processes)")
         global_tensors = ckpt.load_tensors(path, "global", self.device)
         with torch.no_grad():
             for (name, _), param in zip(self.named_params, self.global_params):
                 param.copy_(global_tensors[name])
-        inner_tensors = ckpt.load_tensors(path, "inner", self.storage)
+        worker_tensors = ckpt.load_tensors(path, self._workers_file(), self.storage)
         for worker in self.workers:
             templates = worker.optimizer.state_dicts()
             worker.optimizer.load_state_dicts([
-                ckpt.unflatten_optimizer_state(t, inner_tensors, state["inner_scalars"], f"w{worker.index}.opt{j}")
+                ckpt.unflatten_optimizer_state(t, worker_tensors, state["scalars"], f"w{worker.index}.opt{j}")
                 for j, t in enumerate(templates)])
             worker.optimizer.move_state(self.storage)
         if self.diloco:
             self.outer.load_state_dict(ckpt.load_tensors(path, "outer", self.device))
+            self.outer.merger.load_state_dict({key.removeprefix(self._MERGER): value
+                                               for key, value in worker_tensors.items()
+                                               if key.startswith(self._MERGER)})
         self.step = state["step"]
         self.elapsed = state["elapsed_s"]
         self.last_val_loss = state["last_val_loss"]
@@ -237,7 +261,7 @@ class Trainer:
             self.out_dir / "metrics.jsonl", truncate_to=offset or 0,
             tensorboard_dir=self.out_dir / "tensorboard" if cfg.log.tensorboard else None,
             wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
-            run_name=self.out_dir.name, config=to_dict(cfg))
+            run_name=self.out_dir.name, config=to_dict(cfg)) if self.dist.is_main else NullMetricsLog()
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True)
         stop = GracefulStop()
         try:
@@ -268,10 +292,12 @@ class Trainer:
                 if not math.isfinite(losses[-1]):
                     raise FloatingPointError(f"training loss became {losses[-1]} at step {end}; "
                                              "lower inner.lr or outer.lr")
-                if self._due(cfg.checkpoint_every, start, end) or end == cfg.steps or stop.requested:
+                # A signal may reach some processes only: all stop at the same boundary.
+                signum = int(self.dist.max(stop.signum or 0))
+                if self._due(cfg.checkpoint_every, start, end) or end == cfg.steps or signum:
                     self.save(log.flush())
-                if stop.requested and end < cfg.steps:
-                    raise StopRequested(stop.signum, end)
+                if signum and end < cfg.steps:
+                    raise StopRequested(signum, end)
         finally:
             stop.restore()
             bar.close()
@@ -293,5 +319,6 @@ class Trainer:
             "params": self.num_params,
             "model": cfg.model,
             "seed": cfg.seed,
+            "processes": self.dist.world_size,
             "wall_time_s": self.elapsed,
         }

@@ -1,0 +1,416 @@
+"""Multi-process runs on torch.distributed: where the workers live and how processes talk.
+
+A run of R DiLoCo workers launched by torchrun on W processes groups the processes into
+W/G *islands* of G consecutive ranks (G = `dist.gpus_per_worker`). Island i holds the
+K = R·G/W workers [i·K, (i+1)·K), trained one after another as in the one-process
+trainer. The G processes of an island are data parallel: each takes 1/G of every worker's
+micro-batch and they average gradients every inner step, so one worker spans G GPUs.
+Islands talk only at synchronisations: process j of every island merges with process j of
+every other island (its *peer group* of W/G processes). Consecutive ranks form an island so
+that with G = GPUs per node an island is a node, and only the merge crosses the network.
+The data-parallel baseline is one island of all W processes holding its single model.
+
+Every worker keeps its global id (0..R-1), so it reads the same batches and draws the same
+DARE masks in every layout: 2 processes x 2 workers train exactly what 1 x 4 trains.
+
+`process_group` joins the job (and starts the peer watchdog); `Distributed` holds one
+run's layout, process groups, communicator and the few collectives the training loop needs
+besides the merge. With one process every collective is a local no-op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from isoloco.comm import Communicator, LocalCommunicator
+from isoloco.configbase import ConfigError, check_at_least, check_choice, check_positive, option
+from isoloco.data.config import first_line
+from isoloco.watchdog import PeerLostError, PeerWatchdog
+
+if TYPE_CHECKING:
+    from isoloco.config import TrainConfig
+
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+@dataclasses.dataclass
+class DistConfig:
+    """How the processes of a torchrun job are arranged and how they talk."""
+
+    gpus_per_worker: int = option(
+        1, "G: processes (GPUs) forming one DiLoCo worker; they split its batch and average gradients every "
+           "inner step, and talk to other workers only at synchronisations (also settable as gpus_per_worker=G)")
+    backend: str = option("auto", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo", BACKENDS)
+    timeout_s: float = option(
+        600.0, "seconds a process waits for another before the run stops with an error naming the dead or hung "
+               "rank; must exceed the longest legitimate wait (a checkpoint write, an uneven round)")
+
+    def validate(self) -> None:
+        check_at_least("dist.gpus_per_worker", self.gpus_per_worker, 1)
+        check_choice("dist.backend", self.backend, BACKENDS)
+        check_positive("dist.timeout_s", self.timeout_s)
+
+
+# ------------------------------------------------------------------------------- layout
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessLayout:
+    """Which workers and which share of their batch one process holds (pure arithmetic)."""
+
+    world_size: int
+    rank: int
+    group_size: int  # processes per island: G for DiLoCo, all of them for data parallel
+    workers: int  # R (1 for data parallel)
+
+    @classmethod
+    def for_run(cls, cfg: TrainConfig, world_size: int, rank: int) -> ProcessLayout:
+        """The layout of `cfg` on `world_size` processes; a ConfigError says what to change."""
+        workers, batch = cfg.num_workers, cfg.global_batch
+        if cfg.algorithm == "dp":
+            group = world_size
+            if batch % world_size:
+                raise ConfigError(
+                    f"global_batch={batch} does not split over the {world_size} processes of this data-parallel "
+                    f"run; set global_batch to a multiple of {world_size}")
+        else:
+            group = cfg.dist.gpus_per_worker
+            if world_size % group:
+                raise ConfigError(
+                    f"dist.gpus_per_worker={group} does not divide the {world_size} processes of this run: each "
+                    f"worker is {group} processes; launch a multiple of {group} processes (isoloco launch --nproc "
+                    f"N) or change gpus_per_worker")
+            islands = world_size // group
+            if workers % islands:
+                raise ConfigError(
+                    f"workers={workers} cannot be spread over the {islands} worker groups ({world_size} processes "
+                    f"/ gpus_per_worker {group}): every group holds the same number of workers; set workers to a "
+                    f"multiple of {islands}")
+            if (batch // workers) % group:
+                raise ConfigError(
+                    f"global_batch={batch} gives each of the {workers} workers {batch // workers} sequences per "
+                    f"step, which its {group} processes cannot split evenly; set global_batch to a multiple of "
+                    f"{workers * group}")
+        layout = cls(world_size, rank, group, workers)
+        share = layout.rows_per_process(batch)
+        if cfg.micro_batch and share % min(cfg.micro_batch, share):
+            raise ConfigError(
+                f"micro_batch={cfg.micro_batch} does not divide the {share} sequences each process takes per step; "
+                f"use a divisor of {share} or 0")
+        return layout
+
+    @property
+    def islands(self) -> int:
+        return self.world_size // self.group_size
+
+    @property
+    def island(self) -> int:
+        return self.rank // self.group_size
+
+    @property
+    def island_rank(self) -> int:
+        return self.rank % self.group_size
+
+    @property
+    def workers_per_island(self) -> int:
+        return self.workers // self.islands
+
+    @property
+    def local_worker_ids(self) -> list[int]:
+        first = self.island * self.workers_per_island
+        return list(range(first, first + self.workers_per_island))
+
+    def island_ranks(self, island: int) -> list[int]:
+        return list(range(island * self.group_size, (island + 1) * self.group_size))
+
+    def peer_ranks(self, island_rank: int) -> list[int]:
+        """Process `island_rank` of every island, ordered by island: the group that merges."""
+        return [island * self.group_size + island_rank for island in range(self.islands)]
+
+    def rows_per_process(self, global_batch: int) -> int:
+        return global_batch // self.workers // self.group_size
+
+    def describe(self) -> dict[str, int]:
+        """What a checkpoint records: resuming needs the same."""
+        return {"workers": self.workers, "processes": self.world_size, "processes_per_worker": self.group_size}
+
+
+# ------------------------------------------------------------------------- communicator
+
+
+class CollectiveError(RuntimeError):
+    """A torch.distributed collective failed: usually a peer died or stopped answering."""
+
+
+@contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Mark the torch.distributed calls inside as one collective, so a failure says what it
+    was doing and is recognised as a possible lost peer (see `process_group`)."""
+    try:
+        yield
+    except RuntimeError as err:  # backend errors (gloo, NCCL, store) are RuntimeErrors
+        if isinstance(err, CollectiveError):
+            raise
+        raise CollectiveError(f"{what} failed: {first_line(err)}") from err
+
+
+def assign_owners(costs: list[float], processes: int) -> list[int]:
+    """Owner process of each job: largest jobs first, each to the least loaded process.
+
+    Deterministic (ties go to the lower index), so every process computes the same plan.
+    """
+    load = [0.0] * processes
+    owners = [0] * len(costs)
+    for job in sorted(range(len(costs)), key=lambda j: -costs[j]):
+        owner = min(range(processes), key=lambda p: load[p])
+        owners[job] = owner
+        load[owner] += costs[job]
+    return owners
+
+
+def _orthogonalisation_cost(tensor: torch.Tensor) -> float:
+    """Relative cost of an SVD / Newton–Schulz of `tensor`: m·n·min(m, n) for a matrix."""
+    return tensor.numel() * (min(tensor.shape) if tensor.ndim == 2 else 1)
+
+
+class TorchCommunicator(Communicator):
+    """The merge collectives of one process over torch.distributed.
+
+    Sums and gathers run over the process's peer group (one process per island; none
+    when there is one island). `shard_map` spreads pure per-tensor work (Iso-C's
+    orthogonalisations) over all processes and broadcasts each result from its owner; that
+    broadcast is not counted in `bytes_sent_per_worker`, which measures the merge itself.
+    """
+
+    def __init__(self, layout: ProcessLayout, peers: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self._layout = layout
+        self._peers = peers
+
+    @property
+    def num_workers(self) -> int:
+        return self._layout.workers
+
+    @property
+    def local_worker_ids(self) -> list[int]:
+        return self._layout.local_worker_ids
+
+    def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._peers is not None:
+            with collective("merge all-reduce"):
+                dist.all_reduce(tensor, group=self._peers)
+        return tensor
+
+    def _gather_across_processes(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self._peers is None:
+            return list(tensors)
+        local = torch.stack(tensors)
+        blocks = [torch.empty_like(local) for _ in range(self._layout.islands)]
+        with collective("merge all-gather"):
+            dist.all_gather(blocks, local, group=self._peers)
+        return [tensor for block in blocks for tensor in block.unbind(0)]
+
+    def shard_map(self, fn: Callable[[torch.Tensor], torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        owners = assign_owners([_orthogonalisation_cost(t) for t in tensors], self._layout.world_size)
+        results = []
+        for owner, tensor in zip(owners, tensors):
+            if owner == self._layout.rank:
+                result = fn(tensor)
+                assert result.shape == tensor.shape and result.dtype == tensor.dtype, "shard_map needs a shape-keeping fn"
+                results.append(result.contiguous())
+            else:
+                results.append(torch.empty_like(tensor))
+        with collective("broadcast of orthogonalised matrices"):
+            pending = [dist.broadcast(result, src=owner, async_op=True) for owner, result in zip(owners, results)]
+            for work in pending:
+                work.wait()
+        return results
+
+
+# ------------------------------------------------------------------------ process group
+
+
+def backend_for(cfg: TrainConfig) -> str:
+    if cfg.dist.backend != "auto":
+        return cfg.dist.backend
+    wants_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    return "nccl" if wants_cuda else "gloo"
+
+
+def launched_world_size() -> int:
+    """The number of processes torchrun started (1 for a plain `isoloco train`)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@contextmanager
+def process_group(cfg: TrainConfig) -> Iterator[None]:
+    """Join the torchrun job described by the environment for the duration of the block.
+
+    A plain one-process run joins nothing. Otherwise the default process group uses the
+    configured backend and `dist.timeout_s` (a collective waiting longer fails), and a
+    `PeerWatchdog` stops this process when another dies or hangs. When the block raises,
+    this process posts why (so its peers stop at once); when a collective failed, the
+    block's error becomes a `PeerLostError` naming the lost rank when one is found.
+    """
+    world_size = launched_world_size()
+    if world_size <= 1:
+        yield
+        return
+    ProcessLayout.for_run(cfg, world_size, int(os.environ["RANK"]))  # a misfit fails before joining
+    timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
+    backend = backend_for(cfg)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timeout)
+    rank = dist.get_rank()
+    watchdog = PeerWatchdog.connect(rank, world_size, cfg.dist.timeout_s)
+    watchdog.register()
+    with collective("start-up barrier"):
+        dist.barrier()
+    watchdog.start()
+    try:
+        yield
+    except CollectiveError as err:
+        lost = watchdog.diagnose(wait_s=cfg.dist.timeout_s)
+        watchdog.report_failure(str(lost or err))
+        if lost:
+            raise PeerLostError(f"{lost}; {err}") from err
+        raise
+    except BaseException as err:
+        watchdog.report_failure(f"{type(err).__name__}: {err}")
+        raise
+    watchdog.stop(done=True)
+    with collective("shut-down barrier"):
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- one run
+
+
+class Distributed:
+    """One run's layout, process groups, communicator, and the loop's collectives.
+
+    Built from the state of torch.distributed: inside `process_group` with several
+    processes it creates the island and peer groups (every process must construct it, in
+    the same order); otherwise everything is local and the communicator is a
+    `LocalCommunicator`. Raises ConfigError when the run does not fit the processes.
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        joined = dist.is_available() and dist.is_initialized()
+        world_size, rank = (dist.get_world_size(), dist.get_rank()) if joined else (1, 0)
+        self.layout = ProcessLayout.for_run(cfg, world_size, rank)
+        self._island: dist.ProcessGroup | None = None
+        self.comm: Communicator = LocalCommunicator(self.layout.workers)
+        if world_size > 1:
+            layout = self.layout
+            with collective("process group creation"):
+                if layout.group_size > 1:
+                    self._island, _ = dist.new_subgroups_by_enumeration(
+                        [layout.island_ranks(i) for i in range(layout.islands)])
+                peers = None
+                if layout.islands > 1:
+                    peers, _ = dist.new_subgroups_by_enumeration(
+                        [layout.peer_ranks(j) for j in range(layout.group_size)])
+            self.comm = TorchCommunicator(layout, peers)
+        # Small collectives (metrics, flags, objects) run where the backend wants tensors.
+        self._device = torch.device("cpu")
+        if joined and dist.get_backend() == "nccl":
+            self._device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes the run's files (metrics, summary, the global checkpoint state)."""
+        return self.layout.rank == 0
+
+    @property
+    def writes_worker_state(self) -> bool:
+        """The first process of each island saves its workers' state (the others hold copies)."""
+        return self.layout.island_rank == 0
+
+    def place(self, device: torch.device) -> torch.device:
+        """With several processes, `cuda` means this process's GPU (LOCAL_RANK)."""
+        if device.type == "cuda" and device.index is None and self.world_size > 1:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        return device
+
+    def shard_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """This process's contiguous 1/G share of a worker's (or, for dp, the global) batch."""
+        share = rows.size(0) // self.layout.group_size
+        return rows[self.layout.island_rank * share:(self.layout.island_rank + 1) * share]
+
+    def average_gradients(self, params: list[torch.Tensor]) -> None:
+        """Average `.grad` over the island (one flat all-reduce), as if one process had
+        computed the gradient of the whole batch."""
+        if self._island is None:
+            return
+        grads = [p.grad for p in params]
+        flat = _flatten_dense_tensors(grads)
+        with collective("gradient all-reduce"):
+            dist.all_reduce(flat, group=self._island)
+        flat.div_(self.layout.group_size)
+        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(averaged)
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over all processes (metrics and evaluation; not merge traffic)."""
+        if self.world_size == 1:
+            return tensor
+        total = tensor.to(self._device, copy=True)
+        with collective("metrics all-reduce"):
+            dist.all_reduce(total)
+        return total.to(tensor.device)
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean over all processes: every process holds an equal share of the workers' data."""
+        return self.sum(tensor) / self.world_size
+
+    def max(self, value: float) -> float:
+        """The largest `value` of all processes: decisions every process must take together."""
+        if self.world_size == 1:
+            return value
+        largest = torch.tensor([float(value)], device=self._device)
+        with collective("agreement all-reduce"):
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        return largest.item()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every process (picklable, small)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        with collective("object broadcast"):
+            dist.broadcast_object_list(box, src=0, device=self._device)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's `obj`, by rank."""
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        with collective("object all-gather"):
+            dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            with collective("barrier"):
+                dist.barrier()

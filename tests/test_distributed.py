@@ -1,0 +1,351 @@
+"""The distributed engine on gloo over 127.0.0.1: every layout trains the same numbers,
+merges move the bytes DESIGN §4 promises, and a lost process stops the run, naming it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from isoloco import checkpoint as ckpt
+from isoloco.config import parse_overrides, resolve
+from isoloco.configbase import ConfigError
+from isoloco.distributed import Distributed, ProcessLayout, TorchCommunicator, assign_owners, process_group
+from isoloco.launch import add_launch_command, free_port, torchrun_argv
+from isoloco.metrics import read_metrics
+from isoloco.model import count_parameters
+from isoloco.trainer import Trainer
+
+SMALL = {"model": "tiny", "seq_len": 32, "global_batch": 8, "steps": 6, "inner_steps": 3, "eval_every": 6,
+         "eval_batch": 8, "data.vocab_size": 512, "data.val_tokens": 1024, "checkpoint_every": 0, "device": "cpu"}
+
+#: One case per merge rule (and IsoLoCo's two placements, and the dp baseline): run name -> overrides.
+#: Iso-CTS runs one round: splitting off the common subspace at a small spectral gap amplifies
+#: the float rounding of the all-reduce's summation order (not a bug: the one-process
+#: simulator summing its workers in another order moves as much), and a second round of AdamW
+#: grows that to ~4e-5; one round still checks every step of the distributed rule.
+RULES = {
+    "mean": {"method": "diloco"},
+    "ties": {"method": "ties"},
+    "dare": {"method": "dare"},
+    "tsv": {"method": "tsv"},
+    "iso_c": {"method": "isoloco"},
+    "iso_c_update": {"method": "isoloco", "outer.iso_placement": "update"},
+    "iso_cts": {"method": "isocts", "steps": 3, "eval_every": 3},
+}
+CASES = {**{name: {**o, "workers": 4} for name, o in RULES.items()}, "dp": {"method": "dp"}}
+
+
+# -- running several processes ----------------------------------------------------------------
+
+
+def _join_job(rank: int, world_size: int, port: int) -> None:
+    """What torchrun would set for process `rank` (these tests start processes themselves)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+
+
+def _train_cases(rank: int, world_size: int, port: int, root: str, cases: dict) -> None:
+    _join_job(rank, world_size, port)
+    with process_group(resolve(None, {**SMALL, "dist.timeout_s": 60})):
+        for name, overrides in cases.items():
+            out = Path(root) / name
+            out.mkdir(parents=True, exist_ok=True)
+            Trainer(resolve(None, {**SMALL, **overrides}), out, progress=False, say=lambda _m: None).run()
+        _check_shard_map(rank, world_size, Path(root))
+
+
+def _check_shard_map(rank: int, world_size: int, root: Path) -> None:
+    """Each process orthogonalises its own share; every process gets every result."""
+    cfg = resolve(None, {**SMALL, "workers": world_size})
+    comm = Distributed(cfg).comm
+    assert isinstance(comm, TorchCommunicator)
+    generator = torch.Generator().manual_seed(0)
+    matrices = [torch.randn(8 + i, 6, generator=generator) for i in range(5)]
+    computed = []
+
+    def orthogonalise(matrix: torch.Tensor) -> torch.Tensor:
+        computed.append(matrix.shape[0])
+        return torch.linalg.qr(matrix).Q
+
+    for matrix, result in zip(matrices, comm.shard_map(orthogonalise, matrices)):
+        torch.testing.assert_close(result, torch.linalg.qr(matrix).Q, rtol=0, atol=0)
+    (root / f"shard_map.{rank}.json").write_text(json.dumps(computed))
+
+
+def run_processes(fn, world_size: int, *args, timeout: float = 300) -> None:
+    """Run fn(rank, world_size, port, *args) in `world_size` fresh processes (one thread each)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        context = mp.start_processes(fn, args=(world_size, free_port(), *args), nprocs=world_size,
+                                     join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{world_size} processes did not finish within {timeout}s")
+
+
+def single_process(tmp: Path, name: str, base: dict = SMALL, **overrides) -> Trainer:
+    trainer = Trainer(resolve(None, {**base, **overrides}), tmp / name, progress=False, say=lambda _m: None)
+    (tmp / name).mkdir(parents=True, exist_ok=True)
+    trainer.run()
+    return trainer
+
+
+def final_params(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt.latest_checkpoint(run / "checkpoints") / "global.safetensors"))
+
+
+def assert_close_relative(ours: dict[str, torch.Tensor], reference: list[torch.Tensor], names: list[str],
+                          rtol: float) -> None:
+    """||x - y|| / ||y|| per tensor."""
+    assert set(ours) == set(names)
+    for name, theirs in zip(names, reference, strict=True):
+        error = (torch.linalg.norm(ours[name] - theirs) / torch.linalg.norm(theirs)).item()
+        assert error <= rtol, f"{name}: relative error {error:.2e}"
+
+
+# -- 2 processes x 2 workers == 1 process x 4 workers, every rule ------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("two-processes")
+    run_processes(_train_cases, 2, str(root), CASES)
+    return root
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory) -> dict[str, Trainer]:
+    """The same runs in this process, on one thread like the spawned processes (so the
+    workers' own arithmetic is identical and only the merge's reduction order differs)."""
+    root = tmp_path_factory.mktemp("one-process")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: single_process(root, name, **overrides) for name, overrides in CASES.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_processes_train_what_one_process_trains(two_process_runs, one_process_runs, case):
+    reference = one_process_runs[case]
+    names = [name for name, _ in reference.named_params]
+    assert_close_relative(final_params(two_process_runs / case), reference.global_params, names, 1e-5)
+    initial = Trainer(resolve(None, {**SMALL, **CASES[case]}), two_process_runs / "unused", progress=False)
+    assert not torch.equal(initial.global_params[0], reference.global_params[0])  # training moved the weights
+    # Train loss is averaged over all workers on all processes; val loss over all windows.
+    ours, theirs = read_metrics(two_process_runs / case / "metrics.jsonl"), read_metrics(
+        reference.out_dir / "metrics.jsonl")
+    assert [m["step"] for m in ours] == [m["step"] for m in theirs]
+    assert [m["train_loss"] for m in ours] == pytest.approx([m["train_loss"] for m in theirs], rel=1e-5)
+    assert ours[-1]["val_loss"] == pytest.approx(theirs[-1]["val_loss"], rel=1e-5)
+    assert ckpt.verify(ckpt.latest_checkpoint(two_process_runs / case / "checkpoints"))["layout"]["processes"] == 2
+
+
+def test_orthogonalisation_is_shared_between_processes(two_process_runs):
+    shares = [json.loads((two_process_runs / f"shard_map.{rank}.json").read_text()) for rank in range(2)]
+    assert sorted(shares[0] + shares[1]) == [8, 9, 10, 11, 12]  # every matrix once
+    assert shares[0] and shares[1]  # both processes worked
+
+
+# -- bytes per worker per round ----------------------------------------------------------------
+
+
+def bytes_per_round(run: Path) -> list[int]:
+    return [m["bytes_per_worker"] for m in read_metrics(run / "metrics.jsonl") if "bytes_per_worker" in m]
+
+
+def test_mean_and_iso_c_send_one_model_per_worker_per_round(two_process_runs, one_process_runs):
+    model_bytes = 4 * count_parameters(one_process_runs["mean"].model)
+    for case in ("mean", "iso_c", "iso_c_update"):
+        assert bytes_per_round(two_process_runs / case) == [model_bytes, model_bytes]
+        assert bytes_per_round(one_process_runs[case].out_dir) == [model_bytes, model_bytes]
+
+
+def test_tsv_sends_less_than_every_full_matrix(two_process_runs, one_process_runs):
+    trainer = one_process_runs["tsv"]
+    workers = 4
+    matrices = sum(p.numel() for p in trainer.global_params if p.ndim == 2)
+    vectors = sum(p.numel() for p in trainer.global_params if p.ndim != 2)
+    factors = sum((min(p.shape) // workers) * (sum(p.shape) + 1) for p in trainer.global_params if p.ndim == 2)
+    measured = bytes_per_round(two_process_runs / "tsv")
+    assert measured == [4 * (factors + vectors)] * 2  # top-k factors of each matrix, the mean of the rest
+    assert measured[0] < workers * 4 * matrices
+    assert measured == bytes_per_round(trainer.out_dir)
+
+
+# -- gpus_per_worker: a worker spread over processes ------------------------------------------
+
+
+def _train_islands(rank: int, world_size: int, port: int, root: str) -> None:
+    _join_job(rank, world_size, port)
+    cfg = resolve(None, {**SMALL, "method": "isoloco", "workers": 2, "gpus_per_worker": 2, "dist.timeout_s": 60})
+    with process_group(cfg):
+        Path(root).mkdir(parents=True, exist_ok=True)
+        Trainer(cfg, Path(root), progress=False, say=lambda _m: None).run()
+
+
+def test_two_workers_of_two_processes_each_equal_two_simulated_workers(tmp_path):
+    run_processes(_train_islands, 4, str(tmp_path / "islands"))
+    reference = single_process(tmp_path, "reference", method="isoloco", workers=2)
+    names = [name for name, _ in reference.named_params]
+    assert_close_relative(final_params(tmp_path / "islands"), reference.global_params, names, 1e-5)
+    state = ckpt.verify(ckpt.latest_checkpoint(tmp_path / "islands" / "checkpoints"))
+    assert state["layout"] == {"workers": 2, "processes": 4, "processes_per_worker": 2}
+    assert sorted(state["checksums"]) == ["global.safetensors", "outer.safetensors", "workers-0.safetensors",
+                                          "workers-1.safetensors"]
+
+
+# -- a lost process stops the run ---------------------------------------------------------------
+
+TIMEOUT_S = 10
+CLI_RUN = ["model=tiny", "seq_len=32", "global_batch=8", "steps=40", "inner_steps=5", "workers=2", "eval_every=20",
+           "checkpoint_every=10", "data.vocab_size=512", "data.val_tokens=1024", "device=cpu", "method=isoloco",
+           f"dist.timeout_s={TIMEOUT_S}"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def start_rank(rank: int, world_size: int, port: int, *args: str) -> subprocess.Popen:
+    """`isoloco train` as process `rank` of a job, with the environment torchrun would give it."""
+    env = {**ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return subprocess.Popen([sys.executable, "-m", "isoloco", "train", *args, "--quiet"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def lose_a_process(run: Path, how: signal.Signals) -> tuple[subprocess.Popen, str, float]:
+    """Start 2 processes, send `how` to rank 1 once the first checkpoint exists; return rank 0,
+    its stderr and how long it took to stop after that."""
+    port = free_port()
+    ranks = [start_rank(rank, 2, port, *CLI_RUN, "--out", str(run)) for rank in range(2)]
+    try:
+        deadline = time.monotonic() + 180
+        while not list((run / "checkpoints").glob("step_00000010")):
+            assert time.monotonic() < deadline, "the run never wrote its first checkpoint"
+            assert all(p.poll() is None for p in ranks), [p.communicate() for p in ranks]
+            time.sleep(0.05)
+        lost = time.monotonic()
+        ranks[1].send_signal(how)
+        _, stderr = ranks[0].communicate(timeout=TIMEOUT_S + 60)
+        return ranks[0], stderr, time.monotonic() - lost
+    finally:
+        for process in ranks:
+            process.kill()
+            process.communicate()
+
+
+def assert_stopped_naming_rank_1(rank0: subprocess.Popen, stderr: str, seconds: float, run: Path) -> None:
+    assert rank0.returncode == 3, stderr
+    assert "rank 1 stopped answering" in stderr and "died or hung" in stderr, stderr
+    assert seconds < TIMEOUT_S + 10, f"rank 0 took {seconds:.1f}s to stop"
+    assert not (run / "summary.json").exists(), "the run finished before it lost a process"
+    path, state = ckpt.load_latest(run / "checkpoints")  # the last complete checkpoint verifies
+    assert state["step"] >= 10 and state["layout"]["processes"] == 2
+    assert ckpt.load_tensors(path, "global") and ckpt.load_tensors(path, "workers-1") is not None
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> tuple[Path, subprocess.Popen, str, float]:
+    run = tmp_path_factory.mktemp("killed") / "run"
+    return (run, *lose_a_process(run, signal.SIGKILL))
+
+
+def test_a_killed_process_stops_the_others_and_its_checkpoint_survives(killed):
+    run, rank0, stderr, seconds = killed
+    assert_stopped_naming_rank_1(rank0, stderr, seconds, run)
+
+
+def test_a_hung_process_stops_the_others_within_the_timeout(tmp_path):
+    run = tmp_path / "run"
+    assert_stopped_naming_rank_1(*lose_a_process(run, signal.SIGSTOP), run)
+
+
+def test_resume_after_a_lost_process_matches_an_uninterrupted_run(killed, tmp_path):
+    killed_run = killed[0]
+    # Another layout is refused with a clear error and exit status 2.
+    alone = subprocess.run([sys.executable, "-m", "isoloco", "train", "--resume", str(killed_run), "--quiet"],
+                           capture_output=True, text=True, env=ENV)
+    assert alone.returncode == 2, alone.stderr
+    assert "layout" in alone.stderr and "'processes': 2" in alone.stderr
+    # The same layout resumes (through `isoloco launch`, i.e. torchrun) to the same numbers.
+    resumed = subprocess.run([sys.executable, "-m", "isoloco", "launch", "--nproc", "2", "--", "train", "--resume",
+                              str(killed_run), "--quiet"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    reference = single_process(tmp_path, "reference", base=parse_overrides(CLI_RUN))
+    names = [name for name, _ in reference.named_params]
+    assert_close_relative(final_params(killed_run), reference.global_params, names, 1e-5)
+    assert [m["step"] for m in read_metrics(killed_run / "metrics.jsonl")] == list(range(1, 41))
+
+
+# -- layout and launcher arithmetic -----------------------------------------------------------
+
+
+def layout(world_size: int, rank: int = 0, **overrides) -> ProcessLayout:
+    return ProcessLayout.for_run(resolve(None, {**SMALL, **overrides}), world_size, rank)
+
+
+def test_layout_places_workers_in_islands_of_consecutive_ranks():
+    islands = layout(8, rank=5, workers=8, global_batch=32, gpus_per_worker=2)
+    assert (islands.islands, islands.island, islands.island_rank) == (4, 2, 1)
+    assert islands.local_worker_ids == [4, 5]
+    assert islands.island_ranks(2) == [4, 5] and islands.peer_ranks(1) == [1, 3, 5, 7]
+    assert islands.rows_per_process(32) == 2
+    dp = layout(4, rank=3, method="dp")
+    assert (dp.islands, dp.group_size, dp.local_worker_ids, dp.rows_per_process(8)) == (1, 4, [0], 2)
+
+
+@pytest.mark.parametrize("world_size, overrides, words", [
+    (3, {"workers": 4, "gpus_per_worker": 2}, "does not divide the 3 processes"),
+    (4, {"workers": 3, "global_batch": 6}, "set workers to a multiple of 4"),
+    (4, {"workers": 2, "gpus_per_worker": 2, "global_batch": 6}, "multiple of 4"),
+    (3, {"method": "dp"}, "multiple of 3"),
+    (2, {"workers": 2, "gpus_per_worker": 2, "micro_batch": 3, "global_batch": 8}, "micro_batch=3"),
+])
+def test_layouts_that_do_not_fit_are_config_errors(world_size, overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        layout(world_size, **overrides)
+
+
+def test_one_process_with_gpus_per_worker_says_how_to_launch(tmp_path):
+    with pytest.raises(ConfigError, match="isoloco launch --nproc"):
+        Trainer(resolve(None, {**SMALL, "gpus_per_worker": 2}), tmp_path, progress=False)
+
+
+def test_owners_balance_the_work_deterministically():
+    owners = assign_owners([9, 1, 1, 8, 1], processes=2)
+    assert owners == [0, 1, 0, 1, 1]  # loads 9+1 and 8+1+1
+    assert assign_owners([5.0] * 3, processes=4) == [0, 1, 2]
+
+
+def launch_args(*argv: str):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_launch_command(parser.add_subparsers())
+    return parser.parse_args(["launch", *argv])
+
+
+def test_launch_runs_torchrun_on_localhost_unless_told_otherwise():
+    argv = torchrun_argv(launch_args("--nproc", "2", "--", "train", "quick", "workers=8"))
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--master-addr=127.0.0.1" in argv and "--nproc-per-node=2" in argv
+    assert argv[-5:] == ["-m", "isoloco", "train", "quick", "workers=8"]
+    several = torchrun_argv(launch_args("--nproc", "8", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                        "10.0.0.1", "--", "train"))
+    assert {"--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=29500"} <= set(several)
+    with pytest.raises(ValueError, match="--master-addr"):
+        torchrun_argv(launch_args("--nproc", "8", "--nnodes", "2", "--", "train"))
+    with pytest.raises(ValueError, match="after --"):
+        torchrun_argv(launch_args("--nproc", "2"))
