@@ -348,7 +348,12 @@ class Distributed:
     def place(self, device: torch.device) -> torch.device:
         """With several processes, `cuda` means this process's GPU (LOCAL_RANK)."""
         if device.type == "cuda" and device.index is None and self.world_size > 1:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            if local_rank >= torch.cuda.device_count():
+                raise ConfigError(
+                    f"process LOCAL_RANK={local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): "
+                    f"launch at most one process per GPU (isoloco launch --nproc N), or train on device=cpu")
+            device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
         return device
 
