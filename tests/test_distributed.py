@@ -272,6 +272,36 @@ def test_a_hung_process_stops_the_others_within_the_timeout(tmp_path):
     assert_stopped_naming_rank_1(*lose_a_process(run, signal.SIGSTOP), run)
 
 
+FAILING_RANK = """
+import sys
+from isoloco.config import resolve
+from isoloco.distributed import Distributed, process_group
+from isoloco.watchdog import EXIT_PEER_LOST, PeerLostError
+
+cfg = resolve(None, {"workers": 2, "global_batch": 8, "device": "cpu", "dist.timeout_s": 60})
+try:
+    with process_group(cfg):
+        group = Distributed(cfg)
+        if group.rank == 1:
+            raise ValueError("boom")
+        group.barrier()
+except PeerLostError as err:
+    print(err, file=sys.stderr)
+    sys.exit(EXIT_PEER_LOST)
+"""
+
+
+def test_a_failing_process_stops_the_others_at_once_quoting_its_error():
+    port = free_port()
+    env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    ranks = [subprocess.Popen([sys.executable, "-c", FAILING_RANK], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outputs = [process.communicate(timeout=120) for process in ranks]
+    assert ranks[1].returncode == 1 and "ValueError: boom" in outputs[1][1]
+    assert ranks[0].returncode == 3, outputs[0][1]
+    assert "rank 1 failed: ValueError: boom" in outputs[0][1]  # well within the 60 s timeout
+
+
 def test_resume_after_a_lost_process_matches_an_uninterrupted_run(killed, tmp_path):
     killed_run = killed[0]
     # Another layout is refused with a clear error and exit status 2.

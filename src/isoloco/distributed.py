@@ -279,7 +279,7 @@ def process_group(cfg: TrainConfig) -> Iterator[None]:
     try:
         yield
     except CollectiveError as err:
-        lost = watchdog.diagnose(wait_s=cfg.dist.timeout_s)
+        lost = watchdog.diagnose()
         watchdog.report_failure(str(lost or err))
         if lost:
             raise PeerLostError(f"{lost}; {err}") from err
@@ -314,7 +314,9 @@ class Distributed:
         if world_size > 1:
             layout = self.layout
             with collective("process group creation"):
-                if layout.group_size > 1:
+                if layout.group_size == world_size:
+                    self._island = dist.group.WORLD
+                elif layout.group_size > 1:
                     self._island, _ = dist.new_subgroups_by_enumeration(
                         [layout.island_ranks(i) for i in range(layout.islands)])
                 peers = None

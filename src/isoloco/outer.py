@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -90,6 +90,9 @@ class IsoLoCo(torch.optim.Optimizer):
     excludes) takes the plain Nesterov step. The momentum buffer lives in
     ``state[p]["momentum_buffer"]`` as in `torch.optim.SGD`. The defaults are the paper's
     IsoLoCo settings at 178M (lr 1.8, momentum 0.8).
+
+    `shard_map` (e.g. a communicator's) applies the correction to a group's matrices as one
+    batch, so a multi-process job can share the orthogonalisations out among processes.
     """
 
     def __init__(
@@ -103,6 +106,8 @@ class IsoLoCo(torch.optim.Optimizer):
         ns_steps: int = 5,
         ns_dtype: torch.dtype = torch.bfloat16,
         iso: bool = True,
+        shard_map: Callable[[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]
+        | None = None,
     ) -> None:
         if not lr > 0:
             raise ValueError(f"lr={lr} is not allowed: it must be > 0")
@@ -121,6 +126,7 @@ class IsoLoCo(torch.optim.Optimizer):
             iso=iso,
         )
         super().__init__(params, defaults)
+        self._shard_map = shard_map or (lambda fn, tensors: [fn(tensor) for tensor in tensors])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -133,24 +139,33 @@ class IsoLoCo(torch.optim.Optimizer):
             def iso(matrix: torch.Tensor) -> torch.Tensor:
                 return iso_correct(matrix, group["ortho"], group["scale"], group["ns_steps"], group["ns_dtype"])
 
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                corrected = group["iso"] and param.ndim == 2
-                grad = param.grad
-                if corrected and group["placement"] == "gradient":
-                    grad = iso(grad)
-                update = _nesterov(grad, self.state[param], group["momentum"])
-                if corrected and group["placement"] == "update":
-                    update = iso(update)
+            def iso_where(corrected: list[bool], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+                """`tensors` with iso applied to the corrected ones, as one batch."""
+                chosen = [i for i, c in enumerate(corrected) if c]
+                tensors = list(tensors)
+                for i, result in zip(chosen, self._shard_map(iso, [tensors[i] for i in chosen])):
+                    tensors[i] = result
+                return tensors
+
+            params = [param for param in group["params"] if param.grad is not None]
+            corrected = [group["iso"] and param.ndim == 2 for param in params]
+            grads = [param.grad for param in params]
+            if group["placement"] == "gradient":
+                grads = iso_where(corrected, grads)
+            updates = [_nesterov(grad, self.state[param], group["momentum"]) for grad, param in zip(grads, params)]
+            if group["placement"] == "update":
+                updates = iso_where(corrected, updates)
+            for param, update in zip(params, updates):
                 param.add_(update, alpha=-group["lr"])
         return loss
 
 
 def build_outer_optimizer(
-    named_params: list[tuple[str, torch.nn.Parameter]], merge: MergeConfig, outer: OuterConfig
+    named_params: list[tuple[str, torch.nn.Parameter]], merge: MergeConfig, outer: OuterConfig,
+    comm: Communicator | None = None,
 ) -> torch.optim.Optimizer:
-    """torch's SGD for every rule, or `IsoLoCo` when the Iso-C correction follows momentum."""
+    """torch's SGD for every rule, or `IsoLoCo` when the Iso-C correction follows momentum
+    (its corrections shared out through `comm.shard_map` when a communicator is given)."""
     if outer.iso_placement == "update":
         corrected = [p for name, p in named_params if not merge.excludes(name)]
         excluded = [p for name, p in named_params if merge.excludes(name)]
@@ -164,6 +179,7 @@ def build_outer_optimizer(
             scale=merge.scale,
             ns_steps=merge.ns_steps,
             ns_dtype=NS_DTYPES[merge.ns_dtype],
+            shard_map=comm.shard_map if comm is not None else None,
         )
     return torch.optim.SGD(
         [p for _, p in named_params],
@@ -201,7 +217,7 @@ class OuterStep:
             raise ValueError("parameter names must be unique")
         aggregation = dataclasses.replace(merge, rule="mean") if outer.iso_placement == "update" else merge
         self.merger = Merger(aggregation, comm, seed)
-        self.optimizer = build_outer_optimizer(self.named_params, merge, outer)
+        self.optimizer = build_outer_optimizer(self.named_params, merge, outer, comm)
 
     def step(self, local_deltas: Mapping[str, list[torch.Tensor]], round: int) -> None:
         """One outer step. `local_deltas[name]` holds θ − θ_r for each local worker r, in the

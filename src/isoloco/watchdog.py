@@ -95,10 +95,10 @@ class PeerWatchdog:
         except (RuntimeError, OSError):
             pass  # the store is gone too: the peers will notice the silence instead
 
-    def diagnose(self, wait_s: float) -> str | None:
-        """After a collective failed here: wait up to `wait_s` for a peer to be found failed
-        or silent (for a few heartbeats), and describe it; None if every peer seems healthy."""
-        deadline = time.monotonic() + wait_s
+    def diagnose(self) -> str | None:
+        """After a collective failed here: describe the peer that failed or fell silent (for
+        a few heartbeats), waiting a few heartbeats for it; None if every peer seems healthy."""
+        deadline = time.monotonic() + 5 * self.interval
         while True:
             if self._notes:
                 return self._describe_notes()
