@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from isoloco import checkpoint as ckpt
 from isoloco.config import parse_overrides, resolve
+from isoloco.merge import NonFiniteDeltaError
 from isoloco.trainer import Trainer
 
 RUN = ["model=tiny", "seq_len=32", "global_batch=8", "steps=60", "inner_steps=5", "workers=2", "eval_every=20",
@@ -122,3 +123,70 @@ def test_resume_with_a_different_layout_is_refused(tmp_path):
     resumed = train_cli("--resume", str(out))
     assert resumed.returncode == 2
     assert "layout" in resumed.stderr and "same number of workers" in resumed.stderr
+
+
+def poison(monkeypatch, worker_index: int, round_start: int) -> None:
+    """Make one worker's pseudo-gradient NaN in one round, as a diverged worker's would be."""
+    original = Trainer._run_worker
+
+    def run_worker(self, worker, start, end):
+        losses = original(self, worker, start, end)
+        if worker.index == worker_index and start == round_start:
+            worker.delta[0].fill_(float("nan"))
+        return losses
+
+    monkeypatch.setattr(Trainer, "_run_worker", run_worker)
+
+
+def small_trainer(tmp_path: Path, **overrides) -> Trainer:
+    cfg = resolve(None, {**parse_overrides(RUN), "workers": 4, "steps": 20, **overrides})
+    out = tmp_path / "run"
+    out.mkdir()
+    return Trainer(cfg, out, progress=False, say=lambda _m: None)
+
+
+def test_bad_worker_error_names_round_worker_and_parameter(tmp_path, monkeypatch):
+    poison(monkeypatch, worker_index=1, round_start=10)
+    trainer = small_trainer(tmp_path)
+    with pytest.raises(NonFiniteDeltaError) as raised:
+        trainer.run()
+    message = str(raised.value)
+    assert "worker 1" in message and "round 2" in message and trainer.named_params[0][0] in message
+    newest = ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert ckpt.verify(newest)["step"] == 10
+
+
+def test_bad_worker_drop_merges_the_others_and_resets_it(tmp_path, monkeypatch):
+    poison(monkeypatch, worker_index=1, round_start=10)
+    trainer = small_trainer(tmp_path, on_bad_worker="drop")
+    trainer.run()
+    assert all(torch.isfinite(p).all() for p in trainer.global_params)
+    assert trainer.last_val_loss is not None and trainer.last_val_loss == trainer.last_val_loss
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    dropped = {r["step"]: r["dropped_workers"] for r in records if "dropped_workers" in r}
+    assert dropped == {15: [1]}
+
+
+def test_dropped_round_equals_merging_the_other_workers(tmp_path, monkeypatch):
+    """The round that drops worker 1 applies exactly the merge of workers 0, 2 and 3."""
+    poison(monkeypatch, worker_index=1, round_start=0)
+    trainer = small_trainer(tmp_path, on_bad_worker="drop", steps=5,
+                            **{"merge.rule": "ties", "outer.optimizer": "sgd", "outer.momentum": 0.0})
+    captured = {}
+    original_step = trainer.outer.step
+
+    def step(local_deltas, round):
+        captured["deltas"] = {k: [d.clone() for d in v] for k, v in local_deltas.items()}
+        captured["ids"] = trainer.outer.merger.comm.local_worker_ids
+        return original_step(local_deltas, round)
+
+    trainer.outer.step = step
+    before = [p.detach().clone() for p in trainer.global_params]
+    trainer.run()
+    assert captured["ids"] == [0, 2, 3]
+    from isoloco.merge import ties
+    lr = trainer.cfg.outer.lr
+    for (name, _), old, new in zip(trainer.named_params, before, trainer.global_params):
+        expected = old - lr * ties(captured["deltas"][name], density=trainer.cfg.merge.density)
+        assert torch.allclose(new, expected, rtol=1e-5, atol=1e-7), name
+

@@ -22,6 +22,7 @@ from isoloco.data import DataError
 from isoloco.data.cli import add_data_commands
 from isoloco.distributed import CollectiveError, Distributed, process_group
 from isoloco.launch import add_launch_command
+from isoloco.merge import NonFiniteDeltaError
 from isoloco.stop import StopRequested
 from isoloco.watchdog import EXIT_PEER_LOST, PeerLostError
 
@@ -171,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     except (PeerLostError, CollectiveError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_PEER_LOST
+    except (NonFiniteDeltaError, FloatingPointError) as err:
+        print(f"error: {err}; the last checkpoint is intact", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -86,19 +86,25 @@ class Communicator(ABC):
 class LocalCommunicator(Communicator):
     """All R workers live in this process: collectives are local reductions."""
 
-    def __init__(self, num_workers: int) -> None:
+    def __init__(self, num_workers: int | None = None, worker_ids: list[int] | None = None) -> None:
+        """Workers 0..num_workers-1, or exactly the global ids `worker_ids` (e.g. the workers
+        left in a round after dropping a diverged one)."""
         super().__init__()
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        self._num_workers = num_workers
+        if worker_ids is None:
+            if num_workers is None or num_workers < 1:
+                raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+            worker_ids = list(range(num_workers))
+        if not worker_ids:
+            raise ValueError("a communicator needs at least one worker")
+        self._worker_ids = list(worker_ids)
 
     @property
     def num_workers(self) -> int:
-        return self._num_workers
+        return len(self._worker_ids)
 
     @property
     def local_worker_ids(self) -> list[int]:
-        return list(range(self._num_workers))
+        return list(self._worker_ids)
 
     def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -27,6 +27,7 @@ from isoloco.model import MODEL_PRESETS, check_model_name
 from isoloco.outer import OuterConfig, validate_combination
 
 ALGORITHMS = ("diloco", "dp")
+BAD_WORKER_POLICIES = ("error", "drop")
 
 
 @dataclass
@@ -57,6 +58,9 @@ class TrainConfig:
     eval_batch: int = option(16, "sequences per evaluation forward pass")
     checkpoint_every: int = option(150, "checkpoint every this many steps (at the next synchronisation) and at the end; 0 = only at the end")
     keep_checkpoints: int = option(2, "how many recent checkpoints to keep")
+    on_bad_worker: str = option("error", "a worker whose loss or pseudo-gradient is not finite: error stops the run "
+                                "(last checkpoint intact); drop merges the others and restarts it from θ",
+                                BAD_WORKER_POLICIES)
     data: DataConfig = dataclasses.field(default_factory=DataConfig, metadata={"doc": "data section"})
     inner: InnerConfig = dataclasses.field(default_factory=InnerConfig, metadata={"doc": "inner optimizer section"})
     outer: OuterConfig = dataclasses.field(default_factory=OuterConfig, metadata={"doc": "outer optimizer section"})
@@ -89,6 +93,7 @@ class TrainConfig:
         check_at_least("eval_batch", self.eval_batch, 1)
         check_at_least("checkpoint_every", self.checkpoint_every, 0)
         check_at_least("keep_checkpoints", self.keep_checkpoints, 1)
+        check_choice("on_bad_worker", self.on_bad_worker, BAD_WORKER_POLICIES)
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"device={self.device!r} is not allowed: use auto, cpu, cuda or cuda:N")
         if self.global_batch % self.num_workers:

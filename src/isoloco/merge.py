@@ -18,6 +18,7 @@ streams, and knows which tensors to leave to the mean. Rules never write into th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -421,6 +422,17 @@ class Merger:
         if not self._needs_finalize(name, aggregate):
             return aggregate
         return RULES[self.cfg.rule].finalize(aggregate, self.cfg)
+
+    @contextlib.contextmanager
+    def restricted_to(self, comm: Communicator):
+        """Merge over `comm`'s workers while the block runs (a round that drops a diverged
+        worker); the bytes it sends are added to the usual communicator's count."""
+        usual, self.comm = self.comm, comm
+        try:
+            yield
+        finally:
+            self.comm = usual
+            usual.bytes_sent_per_worker += comm.reset_bytes()
 
     def merge_all(self, local_deltas: dict[str, list[torch.Tensor]], round: int | None = None) -> dict[str, torch.Tensor]:
         """Merge every parameter: all collectives first, in the mapping's order (the same on

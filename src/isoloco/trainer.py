@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from isoloco import checkpoint as ckpt
 from isoloco import sharded_checkpoint
+from isoloco.comm import LocalCommunicator
 from isoloco.config import TrainConfig, to_dict
 from isoloco.configbase import ConfigError
 from isoloco.data import Batches, TokenData, load_token_data, validation_batches
@@ -39,6 +40,7 @@ from isoloco.distributed import Distributed
 from isoloco.inner import InnerOptimizer
 from isoloco.metrics import MetricsLog, NullMetricsLog
 from isoloco.model import build_model, count_parameters
+from isoloco.merge import NonFiniteDeltaError
 from isoloco.outer import OuterStep
 from isoloco.stop import GracefulStop, StopRequested
 
@@ -96,6 +98,10 @@ class Trainer:
         else:
             self.global_params = self.params
             self.workers = [Worker(0, InnerOptimizer(self.named_params, cfg.inner, cfg.steps), [])]
+        if cfg.on_bad_worker == "drop" and self.dist.world_size > 1:
+            raise ConfigError("on_bad_worker=drop works in a single process only (the simulator); "
+                              "use on_bad_worker=error with several processes")
+        self.dropped: list[int] = []
         self.step = 0
         self.elapsed = 0.0
         self.last_val_loss: float | None = None
@@ -147,14 +153,40 @@ class Trainer:
         return losses
 
     def _round(self, start: int, end: int) -> torch.Tensor:
-        """One round (or, for dp, one segment); returns the mean loss per step over all workers."""
-        losses = self.dist.mean(torch.stack([self._run_worker(w, start, end) for w in self.workers]).mean(dim=0))
+        """One round (or, for dp, one segment); returns the mean loss per step over all workers
+        that were merged (see `on_bad_worker`; the dropped ones are left in `self.dropped`)."""
+        worker_losses = torch.stack([self._run_worker(w, start, end) for w in self.workers])
+        round_index = start // self.cfg.inner_steps
+        kept = self.workers
+        if self.diloco and self.cfg.on_bad_worker == "drop":
+            kept = [w for w, losses in zip(self.workers, worker_losses) if self._healthy(w, losses)]
+            if not kept:
+                raise NonFiniteDeltaError(f"round {round_index}: every worker's loss or pseudo-gradient is not "
+                                          "finite; lower inner.lr or outer.lr")
+        self.dropped = [w.index for w in self.workers if w not in kept]
+        rows = [i for i, w in enumerate(self.workers) if w in kept]
+        losses = self.dist.mean(worker_losses[rows].mean(dim=0))
         if self.diloco:
             names = [n for n, _ in self.named_params]
-            deltas = {name: [w.delta[i].to(self.device, non_blocking=True) for w in self.workers]
+            deltas = {name: [w.delta[i].to(self.device, non_blocking=True) for w in kept]
                       for i, name in enumerate(names)}
-            self.outer.step(deltas, round=start // self.cfg.inner_steps)
+            if self.dropped:
+                print(f"warning: round {round_index}: dropped worker(s) {self.dropped} (loss or pseudo-gradient "
+                      "not finite); merging the others and restarting them from the global model", file=sys.stderr)
+                with self.outer.merger.restricted_to(LocalCommunicator(worker_ids=[w.index for w in kept])):
+                    self.outer.step(deltas, round=round_index)
+                for worker in self.workers:
+                    if worker.index in self.dropped:  # its optimizer state is as poisoned as its weights
+                        worker.optimizer = InnerOptimizer(self.named_params, self.cfg.inner, self.cfg.steps)
+            else:
+                self.outer.step(deltas, round=round_index)
         return losses
+
+    @staticmethod
+    def _healthy(worker: Worker, losses: torch.Tensor) -> bool:
+        """Finite losses and a finite pseudo-gradient (one norm per tensor, one sync)."""
+        norms = torch.stack(torch._foreach_norm(worker.delta))
+        return bool(torch.isfinite(losses).all() and torch.isfinite(norms).all())
 
     # -- evaluation ----------------------------------------------------------------------------
 
@@ -276,6 +308,8 @@ class Trainer:
                 record_extra: dict[str, Any] = {}
                 if self.diloco:
                     record_extra["bytes_per_worker"] = self.comm.reset_bytes()
+                if self.dropped:
+                    record_extra["dropped_workers"] = self.dropped
                 if self._due(cfg.eval_every, start, end) or end == cfg.steps:
                     self.last_val_loss = self.evaluate()
                     record_extra["val_loss"] = self.last_val_loss
