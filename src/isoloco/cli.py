@@ -24,6 +24,7 @@ from isoloco.distributed import CollectiveError, Distributed, process_group
 from isoloco.launch import add_launch_command
 from isoloco.merge import NonFiniteDeltaError
 from isoloco.stop import StopRequested
+from isoloco.sweep import add_sweep_commands
 from isoloco.watchdog import EXIT_PEER_LOST, PeerLostError
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_data_commands(commands)
     add_launch_command(commands)
+    add_sweep_commands(commands)
 
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a run directory (its latest checkpoint) or a checkpoint directory")

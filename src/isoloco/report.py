@@ -1,0 +1,398 @@
+"""`isoloco report DIR`: tables and plots of a directory of runs, the same bytes every time.
+
+The paper's headline is each method's validation-loss gap to data-parallel training,
+(loss − loss_DP) / loss_DP in percent, against the number of workers R. This module reads
+every run directory directly under DIR (`config.yaml`, `summary.json`, `metrics.jsonl`),
+pairs each run with the `dp` run of the same model, token budget and seed, and writes:
+
+* `results.csv`: one row per run; `summary.csv`: mean and sample std over seeds;
+* `results.md`: both tables in Markdown, with the plots linked;
+* `plots/`: validation loss and gap to DP against R (log2 axis) — and against H when the
+  directory holds several H — and the validation-loss curves of every run, one panel per R.
+
+Rerunning on the same directory must give identical files, so the outputs carry no
+timestamps or absolute paths, rows are sorted, and PNGs are written without the Software
+metadata (the only varying field matplotlib adds) from a style reset to matplotlib's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from isoloco.configbase import ConfigError
+from isoloco.methods import METHODS
+
+CONFIG_FILE = "config.yaml"
+SUMMARY_FILE = "summary.json"
+METRICS_FILE = "metrics.jsonl"
+MANIFEST_FILE = "sweep.yaml"
+CSV_FILE = "results.csv"
+SUMMARY_CSV_FILE = "summary.csv"
+MARKDOWN_FILE = "results.md"
+PLOT_DIR = "plots"
+#: Axes a plot can put on x: run attribute -> (short label, axis title).
+X_AXES = {"workers": ("R", "workers R"), "inner_steps": ("H", "inner steps H")}
+
+
+class ReportError(ConfigError):
+    """DIR holds no runs; a ConfigError so the CLI prints it as one `error:` line."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What the report needs of one run directory; workers and inner_steps are None for dp."""
+
+    name: str
+    method: str
+    workers: int | None
+    inner_steps: int | None
+    seed: int
+    model: str
+    tokens: int
+    final_val_loss: float | None  # None until the run has finished (summary.json)
+    wall_time_s: float | None
+    curve: tuple[tuple[int, float], ...]  # (tokens, validation loss) at each evaluation
+    gap_pct: float | None = None
+
+    @property
+    def is_dp(self) -> bool:
+        return self.workers is None
+
+    @property
+    def budget(self) -> tuple[str, int]:
+        return self.model, self.tokens
+
+
+def _method_rank(method: str) -> tuple[int, str]:
+    order = list(METHODS)
+    return (order.index(method), "") if method in order else (len(order), method)
+
+
+def _sort_key(run: RunResult) -> tuple:
+    return (_method_rank(run.method), run.workers or 0, run.inner_steps or 0, run.model, run.tokens, run.seed,
+            run.name)
+
+
+def _read_curve(path: Path) -> tuple[tuple[int, float], ...]:
+    """Validation points of metrics.jsonl; a torn last line of a run in progress is skipped."""
+    if not path.is_file():
+        return ()
+    points = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "val_loss" in record:
+            points.append((int(record["tokens"]), float(record["val_loss"])))
+    return tuple(points)
+
+
+def load_run(run_dir: Path) -> RunResult:
+    cfg = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
+    summary = json.loads((run_dir / SUMMARY_FILE).read_text()) if (run_dir / SUMMARY_FILE).is_file() else {}
+    dp = cfg["algorithm"] == "dp"
+    return RunResult(
+        name=run_dir.name, method=cfg["method"], workers=None if dp else cfg["workers"],
+        inner_steps=None if dp else cfg["inner_steps"], seed=cfg["seed"], model=cfg["model"],
+        tokens=cfg["steps"] * cfg["global_batch"] * cfg["seq_len"], final_val_loss=summary.get("final_val_loss"),
+        wall_time_s=summary.get("wall_time_s"), curve=_read_curve(run_dir / METRICS_FILE))
+
+
+def load_runs(directory: Path) -> list[RunResult]:
+    """Every run directly under `directory`, sorted, each with its gap to the matching dp run."""
+    if not directory.is_dir():
+        raise ReportError(f"{directory} is not a directory: give the folder a sweep wrote its runs to")
+    runs = sorted((load_run(p) for p in directory.iterdir() if (p / CONFIG_FILE).is_file()), key=_sort_key)
+    if not runs:
+        raise ReportError(f"{directory} holds no run directories (folders with {CONFIG_FILE}); give the --out "
+                          "folder of `isoloco sweep` or a folder of `isoloco train` runs")
+    reference = {(r.budget, r.seed): r.final_val_loss for r in runs if r.is_dp and r.final_val_loss is not None}
+    return [replace(r, gap_pct=_gap(r.final_val_loss, reference.get((r.budget, r.seed)))) for r in runs]
+
+
+def _gap(loss: float | None, dp_loss: float | None) -> float | None:
+    return None if loss is None or dp_loss is None else 100.0 * (loss - dp_loss) / dp_loss
+
+
+# ---------------------------------------------------------------------------------------
+# Tables
+
+
+@dataclass(frozen=True)
+class Group:
+    """The runs of one (method, R, H, budget) over seeds."""
+
+    runs: tuple[RunResult, ...]
+
+    @property
+    def first(self) -> RunResult:
+        return self.runs[0]
+
+    def values(self, field: str) -> list[float]:
+        return [getattr(r, field) for r in self.runs if getattr(r, field) is not None]
+
+
+def group_runs(runs: list[RunResult]) -> list[Group]:
+    groups: dict[tuple, list[RunResult]] = {}
+    for run in runs:  # already sorted, and seed is the last key but the name: groups stay in order
+        groups.setdefault((run.method, run.workers, run.inner_steps, run.budget), []).append(run)
+    return [Group(tuple(members)) for members in groups.values()]
+
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def _fmt(value: float | int | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def _pm(values: list[float], spec: str) -> str:
+    """`mean ± std` for Markdown (just the value for one seed, — for none)."""
+    mean, std = _mean_std(values)
+    if mean is None:
+        return "—"
+    return format(mean, spec) + (f" ± {std:{spec.lstrip('+')}}" if std is not None else "")
+
+
+def _csv(header: list[str], rows: Iterable[list[str]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def results_csv(runs: list[RunResult]) -> str:
+    return _csv(
+        ["run", "method", "R", "H", "seed", "model", "tokens", "final_val_loss", "gap_to_dp_pct", "wall_time_s",
+         "status"],
+        ([r.name, r.method, _fmt(r.workers, "d"), _fmt(r.inner_steps, "d"), str(r.seed), r.model, str(r.tokens),
+          _fmt(r.final_val_loss, ".6f"), _fmt(r.gap_pct, ".4f"), _fmt(r.wall_time_s, ".1f"),
+          "finished" if r.final_val_loss is not None else "incomplete"] for r in runs))
+
+
+def summary_csv(groups: list[Group]) -> str:
+    rows = []
+    for g in groups:
+        loss, loss_std = _mean_std(g.values("final_val_loss"))
+        gap, gap_std = _mean_std(g.values("gap_pct"))
+        wall, _ = _mean_std(g.values("wall_time_s"))
+        rows.append([g.first.method, _fmt(g.first.workers, "d"), _fmt(g.first.inner_steps, "d"), g.first.model,
+                     str(g.first.tokens), str(len(g.values("final_val_loss"))), _fmt(loss, ".6f"),
+                     _fmt(loss_std, ".6f"), _fmt(gap, ".4f"), _fmt(gap_std, ".4f"), _fmt(wall, ".1f")])
+    return _csv(["method", "R", "H", "model", "tokens", "seeds", "final_val_loss_mean", "final_val_loss_std",
+                 "gap_to_dp_pct_mean", "gap_to_dp_pct_std", "wall_time_s_mean"], rows)
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _dash(value: int | None) -> str:
+    return "—" if value is None else str(value)
+
+
+def results_markdown(title: str, runs: list[RunResult], groups: list[Group], manifest: dict[str, Any] | None,
+                     plots: list[tuple[str, str]]) -> str:
+    finished = [r for r in runs if r.final_val_loss is not None]
+    budgets = sorted({r.budget for r in runs})
+    parts = [f"# Results: {title}", "",
+             f"{len(runs)} runs, {len(finished)} finished; "
+             + "; ".join(f"model {model}, {tokens:,} training tokens per run" for model, tokens in budgets) + "."]
+    if manifest:
+        overrides = " ".join(manifest.get("overrides") or []) or "none"
+        parts += ["", f"Last sweep into this directory: preset `{manifest.get('preset') or 'none'}`, "
+                      f"overrides `{overrides}`; "
+                      f"methods {', '.join(manifest['methods'])}; R {', '.join(map(str, manifest['workers']))}; "
+                      f"H {', '.join(map(str, manifest['inner_steps']))}; "
+                      f"seeds {', '.join(map(str, manifest['seeds']))}."]
+    parts += ["", "Gap to DP = (loss − loss_DP) / loss_DP × 100, against the dp run of the same model, token "
+                  "budget and seed (dp does not depend on R or H). Mean ± sample standard deviation over seeds.",
+              "", "## By method, R and H", "",
+              _md_table(["method", "R", "H", "seeds", "final val loss", "gap to DP (%)", "tokens", "wall time (s)"],
+                        [[g.first.method, _dash(g.first.workers), _dash(g.first.inner_steps),
+                          str(len(g.values("final_val_loss"))), _pm(g.values("final_val_loss"), ".4f"),
+                          _pm(g.values("gap_pct"), "+.2f"), f"{g.first.tokens:,}", _pm(g.values("wall_time_s"), ".0f")]
+                         for g in groups]),
+              "", "## Every run", "",
+              _md_table(["run", "method", "R", "H", "seed", "final val loss", "gap to DP (%)", "tokens",
+                         "wall time (s)"],
+                        [[r.name, r.method, _dash(r.workers), _dash(r.inner_steps), str(r.seed),
+                          _fmt(r.final_val_loss, ".4f") or "incomplete", _fmt(r.gap_pct, "+.2f") or "—",
+                          f"{r.tokens:,}", _fmt(r.wall_time_s, ".0f") or "—"] for r in runs])]
+    if plots:
+        parts += ["", "## Plots", ""] + [f"![{caption}]({PLOT_DIR}/{file})" for file, caption in plots]
+    return "\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------------------------------
+# Plots
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+
+
+def _colors(runs: list[RunResult]) -> dict[str, str]:
+    methods = sorted({r.method for r in runs}, key=_method_rank)
+    return {m: f"C{i % 10}" for i, m in enumerate(methods)}
+
+
+def _log2_axis(ax: Any, values: list[int], title: str) -> None:
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [str(v) for v in values])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(title)
+
+
+def _series_label(run: RunResult, varying: list[str]) -> str:
+    short = {"workers": "R", "inner_steps": "H", "tokens": "tokens"}
+    return run.method + "".join(f" {short[d]}={getattr(run, d)}" for d in varying)
+
+
+def _against(runs: list[RunResult], axis: str, gap: bool, colors: dict[str, str]) -> Any:
+    """Final loss (or gap to DP) against `axis`: one line per method (and per other varying axis)."""
+    from matplotlib.figure import Figure
+
+    trained = [r for r in runs if not r.is_dp and r.final_val_loss is not None]
+    varying = [d for d in ("workers", "inner_steps", "tokens")
+               if d != axis and len({getattr(r, d) for r in trained}) > 1]
+    series: dict[str, dict[int, list[float]]] = {}
+    method_of: dict[str, str] = {}
+    for r in trained:
+        value = r.gap_pct if gap else r.final_val_loss
+        if value is not None:
+            label = _series_label(r, varying)
+            series.setdefault(label, {}).setdefault(getattr(r, axis), []).append(value)
+            method_of[label] = r.method
+    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+    ax = fig.add_subplot()
+    for label, points in series.items():
+        xs = sorted(points)
+        stats = [_mean_std(points[x]) for x in xs]
+        ax.errorbar(xs, [m for m, _ in stats], yerr=[s or 0.0 for _, s in stats], marker="o", capsize=3,
+                    color=colors[method_of[label]], label=label)
+    if gap:
+        ax.axhline(0.0, color="black", linestyle="--", linewidth=1, label="dp")
+        ax.set_ylabel("gap to DP (%)")
+    else:
+        for model, tokens in sorted({r.budget for r in runs if r.is_dp and r.final_val_loss is not None}):
+            dp = _mean_std([r.final_val_loss for r in runs if r.is_dp and r.budget == (model, tokens)
+                            and r.final_val_loss is not None])[0]
+            ax.axhline(dp, color="black", linestyle="--", linewidth=1,
+                       label="dp" if "tokens" not in varying else f"dp tokens={tokens}")
+        ax.set_ylabel("final validation loss")
+    _log2_axis(ax, sorted({getattr(r, axis) for r in trained}), X_AXES[axis][1])
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def _curves(runs: list[RunResult], colors: dict[str, str]) -> Any:
+    """Validation loss against tokens, one panel per R; dp (dashed) in every panel."""
+    from matplotlib.figure import Figure
+
+    with_curve = [r for r in runs if r.curve]
+    trained = [r for r in with_curve if not r.is_dp]
+    panels = sorted({r.workers for r in trained}) or [None]
+    varying = [d for d in ("inner_steps", "tokens") if len({getattr(r, d) for r in trained}) > 1]
+    seeds = len({r.seed for r in with_curve}) > 1
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(4.2 * cols + 1.8, 3.4 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False, sharey=True).ravel()
+    # The first evaluations sit far above the rest; cap the y axis at the losses after a
+    # quarter of training so the differences between methods stay visible.
+    last = max(t for r in with_curve for t, _ in r.curve)
+    low = min(v for r in with_curve for _, v in r.curve)
+    high = max(v for r in with_curve for t, v in r.curve if t >= 0.25 * last)
+    handles: dict[str, Any] = {}
+    for ax, workers in zip(axes, panels):
+        for r in [x for x in with_curve if x.is_dp or x.workers == workers]:
+            label = "dp" if r.is_dp else _series_label(r, varying)
+            label += f" seed {r.seed}" if seeds else ""
+            (line,) = ax.plot([t for t, _ in r.curve], [v for _, v in r.curve], marker=".",
+                              color="black" if r.is_dp else colors[r.method], linestyle="--" if r.is_dp else "-")
+            handles.setdefault(label, line)
+        ax.set_title("dp" if workers is None else f"R = {workers}")
+        ax.set_xlabel("training tokens")
+        ax.grid(True, alpha=0.3)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    pad = 0.03 * (high - low or 1.0)
+    axes[0].set_ylim(low - pad, high + pad)
+    for ax in axes[::cols]:
+        ax.set_ylabel("validation loss")
+    fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize="small")
+    return fig
+
+
+def write_plots(runs: list[RunResult], folder: Path) -> list[tuple[str, str]]:
+    """Write every plot that has data; return (file name, caption) pairs in a fixed order."""
+    import matplotlib.style
+
+    folder.mkdir(parents=True, exist_ok=True)
+    colors = _colors(runs)
+    trained = [r for r in runs if not r.is_dp and r.final_val_loss is not None]
+    written: list[tuple[str, str]] = []
+    with matplotlib.style.context("default"):
+        for axis, (short, _) in X_AXES.items():
+            if trained and (axis == "workers" or len({getattr(r, axis) for r in trained}) > 1):
+                for gap, stem, caption in ((False, "val_loss", "Final validation loss"), (True, "gap", "Gap to DP")):
+                    file = f"{stem}_vs_{short}.png"
+                    _save(_against(runs, axis, gap, colors), folder / file)
+                    written.append((file, f"{caption} vs {short}"))
+        if any(r.curve for r in runs):
+            _save(_curves(runs, colors), folder / "val_curves.png")
+            written.append(("val_curves.png", "Validation loss curves"))
+    return written
+
+
+# ---------------------------------------------------------------------------------------
+# The command
+
+
+def write_report(directory: Path) -> None:
+    runs = load_runs(directory)
+    groups = group_runs(runs)
+    manifest_path = directory / MANIFEST_FILE
+    manifest = yaml.safe_load(manifest_path.read_text()) if manifest_path.is_file() else None
+    plots = write_plots(runs, directory / PLOT_DIR)
+    (directory / CSV_FILE).write_text(results_csv(runs))
+    (directory / SUMMARY_CSV_FILE).write_text(summary_csv(groups))
+    title = directory.resolve().name
+    (directory / MARKDOWN_FILE).write_text(results_markdown(title, runs, groups, manifest, plots))
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    directory = Path(args.directory)
+    write_report(directory)
+    print(f"wrote {directory / MARKDOWN_FILE}, {CSV_FILE}, {SUMMARY_CSV_FILE} and {directory / PLOT_DIR}/")
+    return 0
+
+
+def add_report_command(subparsers: argparse._SubParsersAction) -> None:
+    report = subparsers.add_parser(
+        "report", help="tables and plots of a directory of runs (results.csv, results.md, plots/)",
+        description="Read every run directory in DIR and write results.csv, summary.csv, results.md and "
+                    "plots/*.png: final validation loss and gap to the dp run of the same budget and seed, "
+                    "mean ± std over seeds. Rerunning gives identical files.")
+    report.add_argument("directory", metavar="DIR", help="a folder of run directories (the --out of isoloco sweep)")
+    report.set_defaults(func=cmd_report)

@@ -1,0 +1,91 @@
+"""`isoloco report`: gaps to the matching dp run, mean ± std over seeds, identical bytes on rerun."""
+
+import csv
+import json
+from pathlib import Path
+
+import yaml
+
+from isoloco.cli import main
+from isoloco.config import resolve, to_dict
+from isoloco.report import load_runs, write_report
+
+TOKENS = 6 * 8 * 32  # steps x global_batch x seq_len of the runs below
+
+
+def _fake_run(root: Path, name: str, loss: float | None, finished: bool = True, **keys) -> None:
+    """A run directory as `isoloco train` leaves it, without training (losses are made up)."""
+    cfg = resolve(None, {"model": "tiny", "steps": 6, "global_batch": 8, "seq_len": 32, **keys})
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    curve = [(3, loss + 0.5), (6, loss)] if loss is not None else []
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "tokens": s * 256, "train_loss": 9.0, **({"val_loss": v} if s in (3, 6) else {})}) + "\n"
+        for s in range(1, 7) for v in [dict(curve).get(s)]))
+    if finished:
+        (run / "summary.json").write_text(json.dumps({"final_val_loss": loss, "wall_time_s": 12.5, "tokens": TOKENS}))
+
+
+def _grid(root: Path) -> None:
+    for seed, dp_loss in ((0, 4.0), (1, 5.0)):
+        _fake_run(root, f"dp-s{seed}", dp_loss, method="dp", seed=seed, workers=1)
+        for method, offset in (("diloco", 0.2), ("isoloco", 0.1)):
+            for r in (1, 2, 4):
+                _fake_run(root, f"{method}-R{r}-H3-s{seed}", dp_loss + offset * r, method=method, workers=r,
+                          inner_steps=3, seed=seed)
+    _fake_run(root, "isoloco-R8-H3-s0", 4.5, finished=False, method="isoloco", workers=8, inner_steps=3)
+    (root / "logs").mkdir()  # not a run directory: ignored
+
+
+def _outputs(root: Path) -> dict[str, bytes]:
+    files = [root / "results.csv", root / "summary.csv", root / "results.md", *sorted((root / "plots").glob("*.png"))]
+    return {p.name: p.read_bytes() for p in files}
+
+
+def test_report_twice_gives_identical_bytes(tmp_path):
+    _grid(tmp_path)
+    assert main(["report", str(tmp_path)]) == 0
+    first = _outputs(tmp_path)
+    assert set(first) == {"results.csv", "summary.csv", "results.md", "val_loss_vs_R.png", "gap_vs_R.png",
+                          "val_curves.png"}
+    for png in (v for k, v in first.items() if k.endswith(".png")):
+        assert png.startswith(b"\x89PNG") and b"Matplotlib" not in png
+    write_report(tmp_path)
+    assert _outputs(tmp_path) == first
+
+
+def test_gaps_are_to_the_dp_run_of_the_same_seed_and_averaged_over_seeds(tmp_path):
+    _grid(tmp_path)
+    write_report(tmp_path)
+    rows = {r["run"]: r for r in csv.DictReader((tmp_path / "results.csv").open())}
+    assert rows["dp-s0"]["R"] == "" and float(rows["dp-s0"]["gap_to_dp_pct"]) == 0.0
+    assert float(rows["diloco-R2-H3-s0"]["gap_to_dp_pct"]) == 10.0  # (4.4 - 4) / 4
+    assert float(rows["diloco-R2-H3-s1"]["gap_to_dp_pct"]) == 8.0  # (5.4 - 5) / 5
+    assert rows["isoloco-R8-H3-s0"]["status"] == "incomplete" and rows["isoloco-R8-H3-s0"]["final_val_loss"] == ""
+    order = list(rows)
+    assert order[:2] == ["dp-s0", "dp-s1"] and order.index("diloco-R4-H3-s1") < order.index("isoloco-R1-H3-s0")
+    summary = {(r["method"], r["R"]): r for r in csv.DictReader((tmp_path / "summary.csv").open())}
+    assert float(summary["diloco", "2"]["gap_to_dp_pct_mean"]) == 9.0
+    assert abs(float(summary["diloco", "2"]["gap_to_dp_pct_std"]) - 2 ** 0.5) < 1e-4
+    assert summary["isoloco", "8"]["seeds"] == "0" and summary["isoloco", "8"]["final_val_loss_mean"] == ""
+    md = (tmp_path / "results.md").read_text()
+    assert "| diloco | 2 | 3 | 2 | 4.9000 ± 0.7071 | +9.00 ± 1.41 | 1,536 | 12 ± 0 |" in md
+    assert "| isoloco-R8-H3-s0 | isoloco | 8 | 3 | 0 | incomplete | — |" in md
+    assert "![Gap to DP vs R](plots/gap_vs_R.png)" in md
+
+
+def test_several_inner_steps_add_plots_against_h(tmp_path):
+    _fake_run(tmp_path, "dp-s0", 4.0, method="dp", workers=1)
+    for h in (1, 2, 3):
+        _fake_run(tmp_path, f"isoloco-R2-H{h}-s0", 4.0 + h / 10, method="isoloco", workers=2, inner_steps=h)
+    write_report(tmp_path)
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {
+        "val_loss_vs_R.png", "gap_vs_R.png", "val_loss_vs_H.png", "gap_vs_H.png", "val_curves.png"}
+    assert [r.inner_steps for r in load_runs(tmp_path)] == [None, 1, 2, 3]
+
+
+def test_a_directory_without_runs_exits_2(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "holds no run directories" in err and len(err.splitlines()) == 1
