@@ -190,3 +190,13 @@ def test_dropped_round_equals_merging_the_other_workers(tmp_path, monkeypatch):
         expected = old - lr * ties(captured["deltas"][name], density=trainer.cfg.merge.density)
         assert torch.allclose(new, expected, rtol=1e-5, atol=1e-7), name
 
+
+
+def test_resume_with_another_vocabulary_is_refused(tmp_path):
+    out = tmp_path / "run"
+    assert train_cli(*RUN, "--out", str(out)).returncode == 0
+    config = out / "config.yaml"
+    config.write_text(config.read_text().replace("vocab_size: 512", "vocab_size: 640"))
+    resumed = train_cli("--resume", str(out))
+    assert resumed.returncode == 2
+    assert "another model or vocabulary" in resumed.stderr and len(resumed.stderr.strip().splitlines()) == 1

@@ -258,6 +258,13 @@ class Trainer:
                 "resume with the same number of workers and processes and the same gpus_per_worker "
                 "(isoloco launch --nproc N -- train --resume DIR starts N processes)")
         global_tensors = ckpt.load_tensors(path, "global", self.device)
+        for (name, _), param in zip(self.named_params, self.global_params):
+            saved = global_tensors.get(name)
+            if saved is None or saved.shape != param.shape:
+                found = "missing" if saved is None else f"shaped {tuple(saved.shape)}"
+                raise ckpt.CheckpointError(
+                    f"checkpoint {path}: {name} is {found}, this model's is {tuple(param.shape)}; it was written "
+                    "for another model or vocabulary (tokenizer) than this run's")
         with torch.no_grad():
             for (name, _), param in zip(self.named_params, self.global_params):
                 param.copy_(global_tensors[name])
