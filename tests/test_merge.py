@@ -485,4 +485,4 @@ def test_default_config_is_valid_and_corrects_every_matrix():
     cfg = merge.MergeConfig()
     cfg.validate()
     assert cfg.exclude == [] and not cfg.excludes("model.embed_tokens.weight")
-    assert math.isclose(cfg.density, 0.9) and cfg.rule == "mean" and cfg.ortho == "svd"
+    assert math.isclose(cfg.density, 0.9) and cfg.rule == "mean" and cfg.ortho == "auto"

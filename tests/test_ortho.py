@@ -229,3 +229,16 @@ def test_user_errors():
         ortho.iso_correct(torch.ones(2, 2), scale="median")
     with pytest.raises(ValueError, match="ns_steps"):
         ortho.iso_correct(torch.ones(2, 2), ortho="newton_schulz", ns_steps=0)
+
+
+def test_auto_takes_gram_for_non_square_and_svd_for_square_matrices():
+    from isoloco.ortho import polar_auto, polar_gram, polar_svd
+
+    generator = torch.Generator().manual_seed(0)
+    tall = torch.randn(96, 32, generator=generator)
+    square = torch.randn(40, 40, generator=generator)
+    assert torch.equal(polar_auto(tall).factor, polar_gram(tall).factor)
+    assert torch.equal(polar_auto(tall.mT).factor, polar_gram(tall.mT).factor)
+    assert torch.equal(polar_auto(square).factor, polar_svd(square).factor)
+    exact = polar_svd(tall).factor
+    assert (torch.linalg.norm(polar_auto(tall).factor - exact) / torch.linalg.norm(exact)).item() < 1e-4

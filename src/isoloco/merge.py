@@ -283,9 +283,10 @@ class MergeConfig:
     drop_rate: float = option(0.1, "DARE: probability of dropping each entry")
     common_fraction: float = option(0.8, "Iso-CTS: fraction of the rank given to the common subspace")
     ortho: str = option(
-        "svd",
-        "Iso-C orthogonalisation: exact svd or gram, or approximate newton_schulz / polar_express",
-        choices=("svd", "gram", "newton_schulz", "polar_express"),
+        "auto",
+        "Iso-C orthogonalisation: exact auto (gram for non-square, svd for square matrices), svd or gram; "
+        "or approximate newton_schulz / polar_express",
+        choices=("auto", "svd", "gram", "newton_schulz", "polar_express"),
     )
     scale: str = option(
         "exact",

@@ -39,7 +39,7 @@ from typing import Callable, Literal
 
 import torch
 
-OrthoMethod = Literal["svd", "gram", "newton_schulz", "polar_express"]
+OrthoMethod = Literal["auto", "svd", "gram", "newton_schulz", "polar_express"]
 ScaleMethod = Literal["exact", "rms", "inner"]
 
 #: Muon's quintic coefficients (Jordan et al. 2024): fast initial growth of small singular
@@ -286,7 +286,20 @@ def scale_inner(matrix: torch.Tensor, polar: Polar) -> torch.Tensor:
     return (matrix * polar.factor).sum(dim=(-2, -1)) / _rank(matrix)
 
 
+#: Below this aspect ratio `auto` takes the SVD: on square matrices the Gram route is no
+#: faster (measured 0.95x at 1024x1024 on a 2-core CPU), on 1024x2688 and longer 1.3-1.6x.
+GRAM_MIN_ASPECT = 1.5
+
+
+def polar_auto(matrix: torch.Tensor) -> Polar:
+    """The fastest exact polar factor for this shape: `gram` for clearly non-square
+    matrices (MLP, embedding and LM-head weights), `svd` for square-ish ones."""
+    short, long = sorted(matrix.shape[-2:])
+    return polar_gram(matrix) if long >= GRAM_MIN_ASPECT * short else polar_svd(matrix)
+
+
 POLAR_METHODS: dict[str, Callable[[torch.Tensor, int, torch.dtype], Polar]] = {
+    "auto": lambda matrix, steps, dtype: polar_auto(matrix),
     "svd": lambda matrix, steps, dtype: polar_svd(matrix),
     "gram": lambda matrix, steps, dtype: polar_gram(matrix),
     "newton_schulz": polar_newton_schulz,
