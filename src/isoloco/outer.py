@@ -101,7 +101,7 @@ class IsoLoCo(torch.optim.Optimizer):
         lr: float = 1.8,
         momentum: float = 0.8,
         placement: str = "gradient",
-        ortho: OrthoMethod = "svd",
+        ortho: OrthoMethod = "auto",
         scale: ScaleMethod = "exact",
         ns_steps: int = 5,
         ns_dtype: torch.dtype = torch.bfloat16,
