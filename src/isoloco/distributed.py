@@ -265,24 +265,26 @@ def process_group(cfg: TrainConfig) -> Iterator[None]:
         yield
         return
     ProcessLayout.for_run(cfg, world_size, int(os.environ["RANK"]))  # a misfit fails before joining
-    timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
     backend = backend_for(cfg)
+    device = None
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timeout)
-    rank = dist.get_rank()
-    watchdog = PeerWatchdog.connect(rank, world_size, cfg.dist.timeout_s)
-    watchdog.register()
-    with collective("start-up barrier"):
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    with collective(f"joining the {world_size} processes at {os.environ.get('MASTER_ADDR')}:"
+                    f"{os.environ.get('MASTER_PORT')}"):
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s), device_id=device)
+        watchdog = PeerWatchdog.connect(dist.get_rank(), world_size, cfg.dist.timeout_s)
+        watchdog.register()
         dist.barrier()
     watchdog.start()
     try:
         yield
     except CollectiveError as err:
         lost = watchdog.diagnose()
-        watchdog.report_failure(str(lost or err))
         if lost:
+            watchdog.report_failure(lost, second_hand=True)
             raise PeerLostError(f"{lost}; {err}") from err
+        watchdog.report_failure(str(err))
         raise
     except BaseException as err:
         watchdog.report_failure(f"{type(err).__name__}: {err}")

@@ -84,12 +84,11 @@ class PeerWatchdog:
         if done:
             self._store.set(f"beat/{self.rank}", _DONE)
 
-    def report_failure(self, note: str) -> None:
-        """Post why this process is stopping, so that its peers stop now and say why."""
+    def report_failure(self, note: str, second_hand: bool = False) -> None:
+        """Post why this process is stopping, so that its peers stop now and say why;
+        `second_hand`: because of another process, which `note` describes."""
         self._failing = True
-        self._post(f"rank {self.rank} failed: {note}")
-
-    def _post(self, note: str) -> None:
+        note = f"rank {self.rank} stopped because {note}" if second_hand else f"rank {self.rank} failed: {note}"
         try:
             self._store.set(f"failed/{self.rank}", note.encode())
         except (RuntimeError, OSError):
@@ -157,6 +156,6 @@ class PeerWatchdog:
         if self._failing or self._stopped.is_set():
             return  # the main thread is already reporting its own failure
         print(f"error: [rank {self.rank}] {reason}; stopping this process", file=sys.stderr, flush=True)
-        self._post(f"rank {self.rank} stopped because {reason}")
+        self.report_failure(reason, second_hand=True)
         os._exit(EXIT_PEER_LOST)
 
