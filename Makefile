@@ -18,8 +18,9 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/isoloco train
 
+# One thread per process: several tests start 2-4 training processes at once on 2 cores.
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
