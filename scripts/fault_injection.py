@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,8 +25,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-RUN = ["model=tiny", "method=isoloco", "workers=4", "inner_steps=5", "steps=300", "seq_len=32", "global_batch=8",
-       "eval_every=25", "checkpoint_every=5", "data.vocab_size=512", "data.val_tokens=2048", "device=cpu"]
+STEPS, INNER_STEPS = 300, 5
+RUN = ["model=tiny", "method=isoloco", "workers=4", f"inner_steps={INNER_STEPS}", f"steps={STEPS}", "seq_len=32",
+       "global_batch=8", "eval_every=25", f"checkpoint_every={INNER_STEPS}", "data.vocab_size=512",
+       "data.val_tokens=2048", "device=cpu"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -48,19 +51,30 @@ def main() -> int:
     rng = random.Random(args.seed)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="isoloco-faults-"))
     reference, victim = work / "reference", work / "victim"
+    for run in (reference, victim):  # runs of an earlier invocation must not be mistaken for these
+        shutil.rmtree(run, ignore_errors=True)
 
     began = time.perf_counter()
-    subprocess.run(command(*RUN, "--out", str(reference), "--force"), check=True, env=ENV)
+    proc = subprocess.Popen(command(*RUN, "--out", str(reference), "--force"), env=ENV)
+    while proc.poll() is None and not (reference / "metrics.jsonl").is_file():
+        time.sleep(0.02)
+    startup = time.perf_counter() - began
+    if proc.wait() != 0:
+        print("the uninterrupted run failed")
+        return 1
     total = time.perf_counter() - began
-    print(f"uninterrupted run: {total:.1f}s")
+    rounds = len(list(range(0, STEPS, INNER_STEPS)))
+    round_time = (total - startup) / rounds
+    print(f"uninterrupted run: {total:.1f}s ({startup:.1f}s start-up, {round_time:.2f}s per round)")
 
     proc = subprocess.Popen(command(*RUN, "--out", str(victim), "--force"), env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     kills = 0
     while kills < args.kills:
-        # Uniform over the whole life of one attempt, start-up included: about a fraction
-        # 1/kills of the run is done between kills, so the run survives all of them.
-        delay = rng.uniform(0.3, total / 3 + 2.0 * total / args.kills)
+        # From the second half of start-up to about three rounds in: kills land in start-up,
+        # resume, training, evaluation and checkpoint writes, and the run (60 rounds)
+        # outlives 20 of them.
+        delay = rng.uniform(0.5 * startup, startup + 3.0 * round_time)
         try:
             proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:
