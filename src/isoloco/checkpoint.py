@@ -10,7 +10,6 @@ Nothing is ever unpickled.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,6 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from isoloco.fileutil import file_sha256
+
 FORMAT_VERSION = 1
 STATE_FILE = "state.json"
 _PREFIX = "step_"
@@ -28,14 +29,6 @@ _TMP_PREFIX = ".tmp-"
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, damaged or belongs to a different run layout."""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -105,7 +98,7 @@ def write_tensor_file(staging: Path, stem: str, tensors: dict[str, torch.Tensor]
     save_file(_contiguous(tensors), str(path))
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
-    return {path.name: _sha256(path)}
+    return {path.name: file_sha256(path)}
 
 
 def publish_checkpoint(root: Path, staging: Path, step: int, checksums: dict[str, str],
@@ -170,7 +163,7 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} has format {state.get('format_version')}, expected {FORMAT_VERSION}")
     for name, expected in state["checksums"].items():
         file = path / name
-        if not file.is_file() or _sha256(file) != expected:
+        if not file.is_file() or file_sha256(file) != expected:
             raise CheckpointError(f"checkpoint {path}: {name} is missing or its checksum does not match")
     return state
 

