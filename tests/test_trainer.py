@@ -126,3 +126,23 @@ def test_killed_run_resumes_to_identical_numbers(tmp_path):
     assert [json.loads(line)["step"] for line in metrics] == list(range(1, 41))
     ref_metrics = (reference / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(a)["train_loss"] for a in metrics] == [json.loads(b)["train_loss"] for b in ref_metrics]
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet"])
+def test_prepared_local_corpora_train(tmp_path, kind):
+    """`isoloco data prepare FILE --out DIR` then `isoloco train data=DIR`, through the CLI."""
+    from test_data_shards import make_documents, write_corpus
+
+    from isoloco.cli import main
+
+    source = write_corpus(tmp_path, kind, make_documents(count=200))
+    shards = tmp_path / "shards"
+    assert main(["data", "prepare", str(source), "--out", str(shards), "--vocab-size", "512",
+                 "--val-fraction", "0.2", "--text-field", "body", "--quiet"]) == 0
+    run = tmp_path / "run"
+    assert main(["train", f"data={shards}", "model=tiny", "seq_len=16", "global_batch=4", "workers=2", "steps=4",
+                 "inner_steps=2", "data.val_tokens=256", "eval_batch=4", "device=cpu", "--out", str(run),
+                 "--quiet"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert torch.isfinite(torch.tensor(summary["final_val_loss"])) and summary["tokens"] == 4 * 4 * 16
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
