@@ -93,6 +93,11 @@ CLI_RUN = ["model=tiny", "seq_len=32", "global_batch=8", "steps=40", "inner_step
            "method=isoloco"]
 
 
+def final_global(run: Path) -> dict[str, torch.Tensor]:
+    """θ of a run's newest checkpoint."""
+    return load_file(str(sorted((run / "checkpoints").glob("step_*"))[-1] / "global.safetensors"))
+
+
 def isoloco(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "isoloco", *args], capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
@@ -117,9 +122,8 @@ def test_killed_run_resumes_to_identical_numbers(tmp_path):
 
     resumed = isoloco("train", "--resume", str(killed), "--quiet")
     assert resumed.returncode == 0, resumed.stderr
-    final = lambda run: load_file(str(sorted((run / "checkpoints").glob("step_*"))[-1] / "global.safetensors"))
-    for name, tensor in final(reference).items():
-        assert torch.equal(tensor, final(killed)[name]), name
+    for name, tensor in final_global(reference).items():
+        assert torch.equal(tensor, final_global(killed)[name]), name
     summary = lambda run: json.loads((run / "summary.json").read_text())
     assert summary(killed)["final_val_loss"] == summary(reference)["final_val_loss"]
     metrics = (killed / "metrics.jsonl").read_text().splitlines()
@@ -146,3 +150,22 @@ def test_prepared_local_corpora_train(tmp_path, kind):
     summary = json.loads((run / "summary.json").read_text())
     assert torch.isfinite(torch.tensor(summary["final_val_loss"])) and summary["tokens"] == 4 * 4 * 16
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_export_loads_with_from_pretrained(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from isoloco.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", *CLI_RUN[:-1], "method=diloco", "steps=10", "--out", str(run), "--quiet"]) == 0
+    exported = tmp_path / "hf"
+    assert main(["export", str(run), str(exported)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    weights = final_global(run)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), weights[name]), name
+    ids = tokenizer("In the beginning God created the heaven", return_tensors="pt").input_ids
+    assert ids.shape[1] > 1 and int(ids.max()) < model.config.vocab_size
+    assert torch.isfinite(model(input_ids=ids).logits).all()
