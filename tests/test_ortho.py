@@ -242,3 +242,22 @@ def test_auto_takes_gram_for_non_square_and_svd_for_square_matrices():
     assert torch.equal(polar_auto(square).factor, polar_svd(square).factor)
     exact = polar_svd(tall).factor
     assert (torch.linalg.norm(polar_auto(tall).factor - exact) / torch.linalg.norm(exact)).item() < 1e-4
+
+
+@pytest.mark.parametrize("method", ["newton_schulz", "polar_express"])
+@pytest.mark.parametrize("shape", [(12, 200), (200, 12), (3, 12, 200)])
+def test_gram_space_iteration_applies_the_same_polynomial(monkeypatch, method, shape):
+    """Very wide (or tall) matrices iterate on their Gram matrix on CPU: same steps, same result."""
+    generator = torch.Generator().manual_seed(0)
+    matrix = torch.randn(*shape, generator=generator, dtype=torch.float64)
+    assert max(shape[-2:]) >= ortho.NS_GRAM_SPACE_MIN_ASPECT * min(shape[-2:])
+    in_gram_space = ortho.orthogonalize(matrix, method, ns_steps=5, ns_dtype=torch.float64).factor
+    bf16_in_gram_space = ortho.orthogonalize(matrix.float(), method, ns_steps=5, ns_dtype=torch.bfloat16).factor
+    monkeypatch.setattr(ortho, "NS_GRAM_SPACE_MIN_ASPECT", math.inf)
+    on_the_matrix = ortho.orthogonalize(matrix, method, ns_steps=5, ns_dtype=torch.float64).factor
+    torch.testing.assert_close(in_gram_space, on_the_matrix, rtol=0, atol=1e-10)
+    # In bfloat16 the Gram route is closer to the exact polynomial than iterating on X (its
+    # r×r work is float32): measured 0.3% against 2-7%.
+    bf16_on_the_matrix = ortho.orthogonalize(matrix.float(), method, ns_steps=5, ns_dtype=torch.bfloat16).factor
+    assert relative_error(bf16_in_gram_space, on_the_matrix) < 0.01
+    assert relative_error(bf16_in_gram_space, on_the_matrix) < relative_error(bf16_on_the_matrix, on_the_matrix)

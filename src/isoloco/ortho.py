@@ -227,7 +227,8 @@ def _odd_quintic_iteration(
 
     Each step maps every singular value x of X to a x + b x³ + c x⁵ and keeps the singular
     vectors. X starts as M/(headroom·‖M‖_F) so all singular values lie in [0, 1]; the
-    iteration runs on the wide orientation (A is r×r, the cheap side). Normalisation is done
+    iteration runs on the wide orientation (A is r×r, the cheap side), and on a CPU very wide
+    matrices run it on their Gram matrix instead (`_gram_space_iteration`). Normalisation is done
     in float32 with the norm clamped at the smallest normal number rather than offset by an
     epsilon: a zero matrix stays zero and a tiny but nonzero one is not shrunk further.
     """
@@ -236,10 +237,45 @@ def _odd_quintic_iteration(
     x = tall.mT.float()  # wide
     norm = torch.linalg.matrix_norm(x, keepdim=True) * headroom
     x = (x / norm.clamp_min(torch.finfo(torch.float32).tiny)).to(dtype)
-    for a, b, c in coefficients:
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    if x.device.type == "cpu" and x.shape[-1] >= NS_GRAM_SPACE_MIN_ASPECT * x.shape[-2]:
+        x = _gram_space_iteration(x, coefficients)
+    else:
+        for a, b, c in coefficients:
+            gram = x @ x.mT
+            x = a * x + (b * gram + c * (gram @ gram)) @ x
     return (x if transposed else x.mT).to(matrix.dtype)
+
+
+#: On CPU, a wide X (r×c) with c at least this many times r iterates on its Gram matrix
+#: (`_gram_space_iteration`). Measured on a 2-core CPU, one thread, bf16: 32000×1024 took
+#: 2.4 s instead of 6.8 s (exact SVD: 6.7 s); at 5440×1536 (aspect 3.5) it was 15% slower
+#: than iterating on X, because its float32 r×r work is no longer small. Of the presets'
+#: matrices only the vocabulary ones (aspect 16 to 128) qualify.
+#: Not on GPUs, whose bfloat16 matmuls are many times faster than the float32 ones this needs.
+NS_GRAM_SPACE_MIN_ASPECT = 8
+
+
+def _gram_space_iteration(x: torch.Tensor, coefficients: list[tuple[float, float, float]]) -> torch.Tensor:
+    """The steps of `_odd_quintic_iteration` for a wide X₀ (r×c), run on r×r matrices.
+
+    Every iterate is X_k = Q_k X₀ with Q_k a polynomial in G = X₀X₀ᵀ, and A_k = X_k X_kᵀ =
+    Q_k G Q_k commutes with it, so a step is Q ← PQ, A ← PAP with P = aI + bA + cA². That
+    costs O(r³) per step instead of O(r²c), and X₀ is multiplied by Q once at the end: two
+    r×c products in all instead of two per step. The r×r work runs in at least float32
+    whatever the dtype of X₀, because Q tends to G^(-1/2), whose large entries (from the small
+    singular values) would swamp the rest in bfloat16; G is formed from the (possibly rounded)
+    X₀ itself, so the final product applies Q to the very matrix it was built for.
+    """
+    exact = x.to(torch.promote_types(x.dtype, torch.float32))
+    a_k = exact @ exact.mT
+    q = None
+    for step, (a, b, c) in enumerate(coefficients):
+        p = b * a_k + c * (a_k @ a_k)
+        p.diagonal(dim1=-2, dim2=-1).add_(a)
+        q = p if q is None else p @ q
+        if step + 1 < len(coefficients):
+            a_k = p @ a_k @ p
+    return q.to(x.dtype) @ x
 
 
 def polar_newton_schulz(matrix: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Polar:
