@@ -1,0 +1,73 @@
+"""`python -m isoloco.bench [--quick] [--only NAMES] [--repeats N] [--threads N]`
+
+Runs the benchmark tables and prints them as markdown, each with the machine's load
+average before and after it (the figures are ratios, but a busy machine still blurs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from isoloco.bench import comm, memory, ortho, outer, throughput
+
+TABLES = {
+    "ortho": ortho.tables,
+    "outer": outer.tables,
+    "throughput": throughput.tables,
+    "comm": comm.tables,
+    "memory": memory.tables,
+}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{os.cpu_count()} CPUs ({cpu_model()}){gpu}; torch {torch.__version__}, "
+            f"{torch.get_num_threads()} intra-op threads; Python {platform.python_version()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m isoloco.bench", description=__doc__.splitlines()[2],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes, presets and R values")
+    parser.add_argument("--only", default=",".join(TABLES),
+                        help=f"comma-separated tables to run, from {', '.join(TABLES)} (default: all)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 3; 2 with --quick)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = parser.parse_args(argv)
+    names = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TABLES]
+    if unknown:
+        parser.error(f"unknown table(s) {', '.join(unknown)}: choose from {', '.join(TABLES)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    repeats = args.repeats or (2 if args.quick else 3)
+    command = " ".join(["python -m isoloco.bench", *(sys.argv[1:] if argv is None else argv)])
+    print(f"# isoloco benchmarks\n\n`{command}`\n\nMachine: {machine()}.", flush=True)
+    for name in names:
+        load_before, began = os.getloadavg()[0], time.perf_counter()
+        for table in TABLES[name](args.quick, repeats):
+            print("\n" + table.markdown(), flush=True)
+        print(f"\n_{name}: load average (1 min) {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; "
+              f"{time.perf_counter() - began:.0f} s._", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""Timing that survives a noisy machine: interleaved repeats, medians, ratios.
+
+The machines this project runs on are shared; their speed drifts by tens of percent within
+a minute. A bare time therefore says little, but the ratio of two things timed in turns
+does: each repeat runs every case once, so a slow spell slows all of them alike; every
+other repeat runs them in reverse order, so no case always follows the same other one
+(caches, a drifting clock); and the median of the repeats ignores the odd outlier.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Mapping
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The median seconds of one case and what its last call returned."""
+
+    median: float
+    result: Any
+
+
+def interleaved(cases: Mapping[Hashable, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[Hashable, Timing]:
+    """Time every case `repeats` times, in turns (forwards, then backwards, ...), after
+    `warmup` untimed rounds.
+
+    The warm-up absorbs first-call costs (allocations, kernel selection, lazy optimizer
+    state) that a steady-state figure should not include.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} is not allowed: it must be >= 1")
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    samples: dict[Hashable, list[float]] = {name: [] for name in cases}
+    results: dict[Hashable, Any] = {}
+    for repeat in range(repeats):
+        order = list(cases.items())
+        for name, fn in order if repeat % 2 == 0 else reversed(order):
+            began = time.perf_counter()
+            results[name] = fn()
+            samples[name].append(time.perf_counter() - began)
+    return {name: Timing(statistics.median(samples[name]), results[name]) for name in cases}

@@ -1,0 +1,88 @@
+"""The benchmark suite's pieces on tiny sizes: each table's measurement runs and returns
+sane figures (positive, finite ratios; exact byte counts). Nothing here is timed."""
+
+import math
+
+import pytest
+import torch
+
+from isoloco.bench import comm, memory, ortho, outer, throughput
+from isoloco.bench.table import Table
+from isoloco.bench.timing import interleaved
+from isoloco.bench.workload import RULE_METHODS, matrix_shapes, parameter_shapes, worker_deltas
+
+#: A small vocabulary keeps the data preparation of this test session short.
+DATA = {"data.vocab_size": 512, "data.val_tokens": 256}
+
+
+def positive_finite(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def test_interleaved_runs_every_case_warmup_plus_repeats_times_in_turns():
+    calls = []
+    timings = interleaved({"a": lambda: calls.append("a") or 1, "b": lambda: calls.append("b") or 2}, repeats=2)
+    assert calls == ["a", "b", "a", "b", "b", "a"]  # warm-up, then every other repeat reversed
+    assert timings["a"].result == 1 and timings["b"].result == 2
+    assert all(t.median >= 0 for t in timings.values())
+
+
+def test_table_renders_markdown_and_refuses_ragged_rows():
+    table = Table("T", ["x", "y"], notes=["n"])
+    table.add(1, "2")
+    assert table.markdown() == "### T\n\n| x | y |\n|---|---|\n| 1 | 2 |\n\nn"
+    with pytest.raises(ValueError):
+        table.add(1)
+
+
+def test_preset_shapes_come_from_the_models():
+    assert matrix_shapes("178m") == [(32000, 1024), (1024, 1024), (2688, 1024), (1024, 2688)]
+    assert (512, 2048) in matrix_shapes("1b")  # grouped-query key/value projections
+    deltas = worker_deltas(parameter_shapes("tiny"), workers=20, distinct=16)
+    embedding = deltas["model.embed_tokens.weight"]
+    assert len(embedding) == 20 and embedding[16] is embedding[0] and not torch.equal(embedding[1], embedding[0])
+
+
+def test_ortho_reference_is_exact_and_fast_paths_have_sane_figures():
+    results = ortho.benchmark_shape(64, 192, repeats=1)
+    assert [(r.path, r.scale) for r in results][:2] == [("svd", "exact"), ("gram", "exact")]
+    reference, gram = results[0], results[1]
+    assert reference.time_ratio == 1 and reference.error == 0 and reference.isotropy < 1e-4
+    assert gram.error < 1e-4 and gram.scale_ratio == pytest.approx(1, abs=1e-4)
+    for r in results:
+        assert positive_finite(r.time_ratio) and positive_finite(r.scale_ratio)
+        assert math.isfinite(r.error) and 0 <= r.isotropy < 1.5
+
+
+def test_outer_step_fractions_for_every_rule():
+    setting = outer.OuterSetting(("tiny",), (4,), global_batch=8, seq_len=16, inner_steps=2, block_steps=1)
+    round_seconds, fractions = outer.outer_costs("tiny", 4, setting, RULE_METHODS, repeats=1, **DATA)
+    assert positive_finite(round_seconds)
+    assert set(fractions) == set(RULE_METHODS)
+    assert all(positive_finite(f) for f in fractions.values())
+
+
+def test_throughput_ratio_is_positive_and_finite():
+    case = throughput.ThroughputCase("tiny", 2, global_batch=4, seq_len=16, inner_steps=2)
+    assert positive_finite(throughput.throughput_ratio(case, repeats=1, **DATA))
+
+
+def test_bytes_counted_on_two_processes_match_the_analytic_counts():
+    counts = comm.bytes_per_round("tiny", (2, 4), methods=("diloco", "ties", "tsv", "isoloco", "isoloco_fast"))
+    one_model = comm.model_bytes("tiny")
+    assert one_model == 4 * sum(shape.numel() for _, shape in parameter_shapes("tiny"))
+    for workers in (2, 4):
+        # mean and Iso-C: one all-reduce of every parameter; TIES: three.
+        assert counts[workers]["diloco"] == counts[workers]["isoloco"] == counts[workers]["isoloco_fast"] == one_model
+        assert counts[workers]["ties"] == 3 * one_model
+    # TSV: each worker's top-(rank/R) factors of each matrix, the mean of the rest.
+    expected_tsv = {workers: sum(4 * (min(shape) // workers) * (sum(shape) + 1) if len(shape) == 2 else 4 * shape.numel()
+                                 for _, shape in parameter_shapes("tiny"))
+                    for workers in (2, 4)}
+    assert {w: counts[w]["tsv"] for w in (2, 4)} == expected_tsv
+
+
+def test_memory_peak_of_a_round_runs_in_a_fresh_process():
+    [(growth, params)] = memory.fresh_process_peaks([("tiny", 2, True, 4, 16, DATA)])
+    # At least the two workers' pseudo-gradients and AdamW moments (12 bytes per parameter each).
+    assert params > 0 and growth >= 2 * memory.WORKER_BYTES_PER_PARAM * params
