@@ -22,5 +22,9 @@ demo: install
 test: install
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
+# The short benchmark tables; docs/benchmarks.md has the full ones and how they were made.
+bench: install
+	$(BIN)/python -m isoloco.bench --quick --threads 1
+
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(TABLES),
                         help=f"comma-separated tables to run, from {', '.join(TABLES)} (default: all)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 3; 2 with --quick)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's); on a shared machine use 1, because "
+                             "threads waiting for a busy core make small operations orders of magnitude slower")
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = [name for name in names if name not in TABLES]
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown table(s) {', '.join(unknown)}: choose from {', '.join(TABLES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for the fresh processes of the memory table
     repeats = args.repeats or (2 if args.quick else 3)
     command = " ".join(["python -m isoloco.bench", *(sys.argv[1:] if argv is None else argv)])
     print(f"# isoloco benchmarks\n\n`{command}`\n\nMachine: {machine()}.", flush=True)
