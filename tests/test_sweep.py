@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from isoloco.cli import main
-from isoloco.config import parse_overrides
+from isoloco.config import parse_overrides, resolve
 from isoloco.sweep import build_grid, job_environments, plan_runs
 
 TINY = ["model=tiny", "seq_len=32", "global_batch=8", "steps=6", "data.vocab_size=512", "data.val_tokens=1024",
@@ -41,6 +41,14 @@ def test_grid_from_the_preset_section_with_flags_replacing_an_axis(tmp_path):
     dp = runs[0]
     assert dp.config["algorithm"] == "dp" and dp.config["inner_steps"] == 30 and dp.config["workers"] == 1
     assert runs[1].items[0] == preset and "workers=4" in runs[1].items and runs[1].config["steps"] == 60
+
+
+@pytest.mark.parametrize("preset, count", [("repro-cpu", 26), ("repro-cpu-h", 9), ("paper-178m", 89),
+                                           ("paper-512m", 25), ("paper-1b", 7)])
+def test_shipped_sweep_presets_validate_every_run(preset, count):
+    runs = plan_runs(preset, [], build_grid(preset, {}, dict.fromkeys(["methods", "workers", "inner_steps", "seeds"])))
+    assert len(runs) == count and runs[0].name == "dp-s0"
+    assert resolve(preset, {}).method == "isoloco"  # `isoloco train PRESET` ignores the sweep section
 
 
 def test_axes_default_to_the_resolved_config(tmp_path):

@@ -151,28 +151,35 @@ def plan_runs(preset: str | None, raw_overrides: list[str], grid: Grid) -> list[
 
 
 #: Keys that say how a run executes, not what it computes: a finished run is still this grid
-#: point when they differ (e.g. the large-R part of a sweep rerun with offload_workers=true).
+#: point when they differ (e.g. the large-R part of a sweep rerun with offload_workers=true, or
+#: a point trained by hand on several processes with `isoloco launch` into OUT/NAME).
 EXECUTION_KEYS = frozenset({"device", "offload_workers", "micro_batch", "eval_batch", "checkpoint_every",
-                            "keep_checkpoints", "log.tensorboard", "log.wandb", "log.wandb_project"})
+                            "keep_checkpoints", "log.tensorboard", "log.wandb", "log.wandb_project",
+                            "dist.gpus_per_worker", "dist.backend", "dist.timeout_s"})
 
 
-def check_run_dir(run_dir: Path, config: dict[str, Any]) -> None:
-    """Refuse a directory that is not this run's: foreign files or a different config."""
-    if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
-        return
+def config_changes(run_dir: Path, config: dict[str, Any]) -> str:
+    """How the config saved in `run_dir` differs from `config` ('' if not), e.g. `steps: run 6, sweep 8`."""
     saved = run_dir / CONFIG_FILE
-    if not saved.is_file():
-        raise ConfigError(f"{run_dir} exists but is not an isoloco run directory (no {CONFIG_FILE}); move it away "
-                          "or choose another --out")
     try:
         previous = flatten(to_dict(from_dict(yaml.safe_load(saved.read_text()))))
     except (ConfigError, yaml.YAMLError) as err:
         raise ConfigError(f"{saved} cannot be read ({err}); delete {run_dir} to run it again") from None
     wanted = flatten(config)
     changed = sorted(k for k in wanted if previous.get(k) != wanted[k] and k not in EXECUTION_KEYS)
-    if changed:
-        shown = ", ".join(f"{k}={previous.get(k)!r}->{wanted[k]!r}" for k in changed[:3])
-        raise ConfigError(f"{run_dir} was trained with another config ({shown}); use another --out, or delete "
+    return "; ".join(f"{k}: run {previous.get(k)!r}, sweep {wanted[k]!r}" for k in changed[:3])
+
+
+def check_run_dir(run_dir: Path, config: dict[str, Any]) -> None:
+    """Refuse a directory that is not this run's: foreign files or a different config."""
+    if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
+        return
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise ConfigError(f"{run_dir} exists but is not an isoloco run directory (no {CONFIG_FILE}); move it away "
+                          "or choose another --out")
+    changes = config_changes(run_dir, config)
+    if changes:
+        raise ConfigError(f"{run_dir} was trained with another config ({changes}); use another --out, or delete "
                           "that directory to train it again")
 
 
@@ -240,6 +247,21 @@ class _Active:
     log: Any
 
 
+def _drift(run_dir: Path, config: dict[str, Any]) -> str:
+    """How a run's own config differs from the planned one, '' if not (or if it never started).
+
+    Each run resolves its config when it starts; if the installed code or the preset changed
+    after the sweep planned the grid, the grid is no longer one experiment, and the user
+    should know which runs are affected.
+    """
+    if not (run_dir / CONFIG_FILE).is_file():
+        return ""
+    try:
+        return config_changes(run_dir, config)
+    except ConfigError as err:  # e.g. a key this (older) sweep process does not know
+        return str(err)
+
+
 def _log_tail(path: Path, lines: int = 5) -> str:
     text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
     return "\n".join(f"    {line}" for line in text[-lines:])
@@ -287,7 +309,12 @@ def execute(runs: list[Run], out: Path, envs: list[dict[str, str]]) -> list[str]
                 del active[slot]
                 job.log.close()
                 os.close(job.lock_fd)
-                if is_finished(out / job.run.name):
+                run_dir = out / job.run.name
+                drift = _drift(run_dir, job.run.config)
+                if drift:
+                    bar.write(f"warning: {job.run.name} resolved to another config than planned ({drift}): "
+                              "the code or the preset changed while the sweep ran")
+                if is_finished(run_dir):
                     bar.update(1)
                 elif not stop.requested:
                     failed.append(job.run.name)
