@@ -308,6 +308,7 @@ def _against(runs: list[RunResult], axis: str, gap: bool, colors: dict[str, str]
 def _curves(runs: list[RunResult], colors: dict[str, str]) -> Any:
     """Validation loss against tokens, one panel per R; dp (dashed) in every panel."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter
 
     with_curve = [r for r in runs if r.curve]
     trained = [r for r in with_curve if not r.is_dp]
@@ -333,6 +334,7 @@ def _curves(runs: list[RunResult], colors: dict[str, str]) -> Any:
             handles.setdefault(label, line)
         ax.set_title("dp" if workers is None else f"R = {workers}")
         ax.set_xlabel("training tokens")
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
         ax.grid(True, alpha=0.3)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
