@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -77,10 +78,9 @@ def model_bytes(preset: str) -> int:
     return 4 * sum(shape.numel() for _, shape in parameter_shapes(preset))
 
 
-def tables(quick: bool, repeats: int) -> list[Table]:
+def tables(quick: bool, repeats: int) -> Iterator[Table]:
     del repeats  # byte counts are exact; nothing to repeat
     setting = QUICK if quick else FULL
-    result = []
     for preset in setting["presets"]:
         counts, full = bytes_per_round(preset, setting["workers"]), model_bytes(preset)
         table = Table(f"Communication on `{preset}`: bytes per worker per round (÷ the all-gather baseline)",
@@ -94,5 +94,4 @@ def tables(quick: bool, repeats: int) -> list[Table]:
             f"Counted by `TorchCommunicator` on {PROCESSES} gloo processes (R/{PROCESSES} workers each); one full "
             f"delta is {megabytes(full)} (float32). Ratios are to R full deltas, what the paper's released code "
             "all-gathers to every worker for every rule.")
-        result.append(table)
-    return result
+        yield table

@@ -21,6 +21,7 @@ from __future__ import annotations
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -83,7 +84,7 @@ def fresh_process_peaks(configs: list[tuple]) -> list[tuple[int, int]]:
         return [pool.submit(round_peak, *config).result() for config in configs]
 
 
-def tables(quick: bool, repeats: int) -> list[Table]:
+def tables(quick: bool, repeats: int) -> Iterator[Table]:
     del repeats  # a peak is a high-water mark, not a noisy time
     setting = QUICK if quick else FULL
     table = Table(f"Memory: peak growth over one round ({METHOD}), with and without idle-worker offload",
@@ -105,4 +106,4 @@ def tables(quick: bool, repeats: int) -> list[Table]:
         "configuration in a fresh process. CPU: peak resident memory (VmHWM) minus the resident memory before "
         "the trainer is built; CUDA: the same with allocated memory. The last column compares the growth from the smallest R, per added "
         "worker, with the pseudo-gradient and AdamW moments a worker keeps (12 bytes per parameter P).")
-    return [table]
+    yield table

@@ -16,6 +16,7 @@ estimators that fit), on a matrix shaped like a pseudo-gradient (`workload.pseud
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -93,25 +94,26 @@ def benchmark_shape(rows: int, cols: int, repeats: int) -> list[PathResult]:
     return results
 
 
-def tables(quick: bool, repeats: int) -> list[Table]:
-    """A detailed table (every path on every shape) and a summary of the fast mode."""
-    detail = Table("Orthogonalisation: every Iso-C path against exact SVD",
-                   ["preset", "shape", "path", "scale", "× svd", "error", "isotropy", "scale/exact"])
+def tables(quick: bool, repeats: int) -> Iterator[Table]:
+    """A detailed table per preset (every path on every shape), then a summary of the fast
+    mode over all of them."""
+    note = (f"Median of {repeats} interleaved repeats per path; × svd < 1 is faster than exact SVD Iso-C. "
+            "The test matrix is a rank-16 signal (singular values 50 … 5) plus dense noise.")
     summary = Table("Orthogonalisation: the fast mode (Newton–Schulz bf16, RMS scale) against exact SVD",
                     ["preset", "shape", "NS bf16 rms × svd", "error", "PolarExp bf16 inner × svd", "error",
                      "gram × svd", "NS bf16 faster than SVD"])
     for preset, shapes in preset_shapes(quick).items():
+        detail = Table(f"Orthogonalisation on `{preset}`: every Iso-C path against exact SVD",
+                       ["shape", "path", "scale", "× svd", "error", "isotropy", "scale/exact"], notes=[note])
         for rows, cols in shapes:
             results = {(r.path, r.scale): r for r in benchmark_shape(rows, cols, repeats)}
             for r in results.values():
-                detail.add(preset, f"{rows}×{cols}", r.path, r.scale, ratio(r.time_ratio), f"{r.error:.2e}",
+                detail.add(f"{rows}×{cols}", r.path, r.scale, ratio(r.time_ratio), f"{r.error:.2e}",
                            f"{r.isotropy:.2e}", f"{r.scale_ratio:.4f}")
             fast, polar, gram = results[FAST_MODE], results["PolarExp bf16", "inner"], results["gram", "exact"]
             summary.add(preset, f"{rows}×{cols}", ratio(fast.time_ratio), f"{fast.error:.2e}",
                         ratio(polar.time_ratio), f"{polar.error:.2e}", ratio(gram.time_ratio),
                         "yes" if fast.time_ratio < 1 else "**no**")
-    note = (f"Median of {repeats} interleaved repeats per path; × svd < 1 is faster than exact SVD Iso-C. "
-            "The test matrix is a rank-16 signal (singular values 50 … 5) plus dense noise.")
-    detail.notes.append(note)
+        yield detail
     summary.notes.append(note)
-    return [summary, detail]
+    yield summary

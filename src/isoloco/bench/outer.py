@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -69,9 +70,8 @@ def outer_costs(preset: str, workers: int, setting: OuterSetting, methods: tuple
     return round_seconds, {method: timings[method].median / round_seconds for method in methods}
 
 
-def tables(quick: bool, repeats: int, methods: tuple[str, ...] = RULE_METHODS) -> list[Table]:
+def tables(quick: bool, repeats: int, methods: tuple[str, ...] = RULE_METHODS) -> Iterator[Table]:
     setting = QUICK if quick else FULL
-    result = []
     for preset in setting.presets:
         table = Table(f"Outer step cost on `{preset}`: one outer step as a fraction of a round",
                       ["method (rule)"] + [f"R={r}" for r in setting.workers])
@@ -93,5 +93,4 @@ def tables(quick: bool, repeats: int, methods: tuple[str, ...] = RULE_METHODS) -
             verdict = "holds" if value <= AIM_FRACTION else "does **not** hold"
             table.notes.append(f"Aim ({AIM_METHOD} ≤ {percent(AIM_FRACTION)} of a round at R = {AIM_WORKERS}): "
                                f"{percent(value)}, {verdict}.")
-        result.append(table)
-    return result
+        yield table
