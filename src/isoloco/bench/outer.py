@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from isoloco.bench.table import Table, percent, ratio
+from isoloco.bench.table import Table, percent
 from isoloco.bench.timing import interleaved
 from isoloco.bench.workload import RULE_METHODS, method_sections, simulator, worker_deltas
 from isoloco.comm import LocalCommunicator
@@ -43,10 +43,10 @@ FULL = OuterSetting(("tiny", "small"), (1, 2, 4, 8, 16, 32, 64, 128))
 QUICK = OuterSetting(("tiny",), (1, 4, 16), block_steps=2)
 
 
-def outer_costs(preset: str, workers: int, setting: OuterSetting, methods: tuple[str, ...], repeats: int,
-                **overrides) -> tuple[float, dict[str, float]]:
-    """A round's training time in seconds (to compare rounds across R; never reported bare)
-    and each method's outer step as a fraction of it. `overrides` go to the run config."""
+def outer_fractions(preset: str, workers: int, setting: OuterSetting, methods: tuple[str, ...], repeats: int,
+                    **overrides) -> dict[str, float]:
+    """Each method's outer step as a fraction of a round at R = `workers` (both timed in
+    the same interleaved repeats). `overrides` go to the run config."""
     block = setting.block_steps
     trainer = simulator(preset, "diloco", 1, setting.global_batch // workers, setting.seq_len,
                         setting.inner_steps, steps=block * (repeats + 1), **{"device": "cpu", **overrides})
@@ -67,7 +67,7 @@ def outer_costs(preset: str, workers: int, setting: OuterSetting, methods: tuple
         warnings.filterwarnings("ignore", message="TSV on")  # its fallback to the mean when ⌊r/R⌋ = 0
         timings = interleaved(cases, repeats)
     round_seconds = timings["block"].median * workers * setting.inner_steps / block
-    return round_seconds, {method: timings[method].median / round_seconds for method in methods}
+    return {method: timings[method].median / round_seconds for method in methods}
 
 
 def tables(quick: bool, repeats: int, methods: tuple[str, ...] = RULE_METHODS) -> Iterator[Table]:
@@ -75,19 +75,17 @@ def tables(quick: bool, repeats: int, methods: tuple[str, ...] = RULE_METHODS) -
     for preset in setting.presets:
         table = Table(f"Outer step cost on `{preset}`: one outer step as a fraction of a round",
                       ["method (rule)"] + [f"R={r}" for r in setting.workers])
-        rounds, fractions = {}, {}
-        for r in setting.workers:
-            rounds[r], fractions[r] = outer_costs(preset, r, setting, methods, repeats)
+        fractions = {r: outer_fractions(preset, r, setting, methods, repeats) for r in setting.workers}
         for method in methods:
             table.add(f"{method} ({method_sections(method)[0].rule})", *(percent(fractions[r][method]) for r in setting.workers))
-        first = setting.workers[0]
-        table.add(f"round ÷ round at R={first}", *(ratio(rounds[r] / rounds[first]) for r in setting.workers))
         table.notes.append(
             f"A round: H = {setting.inner_steps} inner steps of every worker at a fixed global batch of "
             f"{setting.global_batch} × {setting.seq_len} tokens (each worker takes {setting.global_batch}/R), timed as "
             f"blocks of {setting.block_steps} steps of one worker × R·H/{setting.block_steps}; the outer step: "
-            f"`OuterStep.step` on R pseudo-gradients. Median of {repeats} interleaved repeats. TSV keeps "
-            "⌊rank/R⌋ components per worker and takes the mean for matrices where that is 0.")
+            f"`OuterStep.step` on R pseudo-gradients. Median of {repeats} interleaved repeats per R (the "
+            "R values run one after another, so compare within a column). TSV keeps ⌊rank/R⌋ components per "
+            "worker and Iso-CTS ⌊(rank − ⌊0.8·rank⌋)/R⌋; where that is 0 they take the mean (TSV) or only the "
+            "common subspace (Iso-CTS).")
         if AIM_METHOD in methods and AIM_WORKERS in setting.workers:
             value = fractions[AIM_WORKERS][AIM_METHOD]
             verdict = "holds" if value <= AIM_FRACTION else "does **not** hold"
