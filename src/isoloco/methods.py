@@ -11,7 +11,8 @@ from typing import Any
 _ISO_FAST = {"merge.ortho": "newton_schulz", "merge.scale": "rms"}
 
 METHODS: dict[str, dict[str, Any]] = {
-    "dp": {"algorithm": "dp", "inner.lr": 0.00195, "inner.weight_decay": 0.15},
+    # The reference's data-parallel baseline clips no gradients (only DiLoCo's inner steps clip).
+    "dp": {"algorithm": "dp", "inner.lr": 0.00195, "inner.weight_decay": 0.15, "inner.grad_clip": 0.0},
     "diloco": {"merge.rule": "mean", "outer.optimizer": "nesterov", "outer.lr": 0.7, "outer.momentum": 0.9,
                "inner.lr": 0.00138},
     "diloco_sgd": {"merge.rule": "mean", "outer.optimizer": "sgd", "outer.lr": 1.6, "outer.momentum": 0.0,
