@@ -88,30 +88,84 @@ def test_iso_cts_is_isotropic_and_spans_common_plus_worker_directions(common_fra
     sigma = torch.linalg.svdvals(result)
     torch.testing.assert_close(sigma, sigma.mean().expand_as(sigma), rtol=1e-8, atol=0)
     # The common block: the top r − R·s left singular vectors of the mean lie in the result's range.
-    rank, per_worker = 12, (12 - int(common_fraction * 12)) // 3
+    rank = 12
+    _, per_worker = merge.iso_cts_split(rank, 3, common_fraction)
     u_mean = torch.linalg.svd(torch.stack(deltas).mean(0))[0][:, : rank - 3 * per_worker]
     u_out = torch.linalg.svd(result, full_matrices=False)[0]
     torch.testing.assert_close(projector(u_out) @ u_mean, u_mean, atol=1e-8, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "rank, workers, fraction, split",
+    [
+        (24, 8, 0.8, (16, 1)),  # k = 19; round(5/8) = 1 direction per worker
+        (64, 16, 0.8, (48, 1)),  # the tiny model's matrices at R = 16
+        (20, 8, 0.8, (20, 0)),  # round(4/8) = round(0.5) = 0: half to even
+        (100, 8, 0.8, (84, 2)),  # round(20/8) = round(2.5) = 2: half to even
+        (40, 8, 0.8, (32, 1)),
+        (12, 1, 0.8, (9, 3)),  # one worker completes the spectrum of its own delta
+        (3, 2, 0.1, (1, 1)),  # round(3/2) = 2 would need 4 > 3 directions: s = ⌊3/2⌋
+        (2, 3, 0.3, (2, 0)),  # round(2/3) = 1 would need 3 > 2: s = ⌊2/3⌋ = 0
+    ],
+)
+def test_iso_cts_split_follows_the_papers_code(rank, workers, fraction, split):
+    assert merge.iso_cts_split(rank, workers, fraction) == split
+
+
+def polar_np(x: np.ndarray) -> np.ndarray:
+    p, _, qt = np.linalg.svd(x, full_matrices=False)
+    return p @ qt
+
+
+def reference_iso_cts(deltas: list[torch.Tensor], common: int, per_worker: int) -> np.ndarray:
+    """Iso-CTS straight from its written definition, in numpy float64, with the blocks in the
+    other order (workers first, then the common one) to show the order does not matter."""
+    scaled = [d.double().numpy() / len(deltas) for d in deltas]
+    u, s, vt = np.linalg.svd(sum(scaled), full_matrices=False)
+    u_c = u[:, :common]
+    blocks = [np.linalg.svd(x - u_c @ u_c.T @ x, full_matrices=False) for x in scaled]
+    big_u = np.concatenate([b[0][:, :per_worker] for b in blocks] + [u_c], axis=1)
+    big_s = np.concatenate([b[1][:per_worker] for b in blocks] + [s[:common]])
+    big_v = np.concatenate([b[2][:per_worker].T for b in blocks] + [vt[:common].T], axis=1)
+    return polar_np(big_u) @ np.diag(np.full(len(big_s), big_s.mean())) @ polar_np(big_v).T
+
+
+def test_iso_cts_hand_checked_case():
+    """r = 24, f = 0.8, R = 8: a common block of 16 and one direction per worker; the isotropic
+    value is the mean of σ(mean)[:16] and each worker's top σ of residual_r / R."""
+    workers = 8
+    deltas = make_deltas(workers, (24, 30), dtype=torch.float64)
+    result = merge.iso_cts(deltas, common_fraction=0.8)
+    mean = torch.stack(deltas).mean(0)
+    u, s, _ = torch.linalg.svd(mean, full_matrices=False)
+    u_c = u[:, :16]
+    tops = [torch.linalg.svdvals((d - u_c @ u_c.T @ d) / workers)[0] for d in deltas]
+    scale = (s[:16].sum() + sum(tops)) / 24
+    torch.testing.assert_close(torch.linalg.svdvals(result), scale.expand(24), rtol=1e-10, atol=0)
+    np.testing.assert_allclose(result.numpy(), reference_iso_cts(deltas, 16, 1), atol=1e-12)
+
+
+@pytest.mark.parametrize("workers, shape", [(2, (12, 8)), (3, (9, 14)), (4, (10, 10)), (8, (24, 30))])
+def test_iso_cts_matches_its_definition(workers, shape):
+    deltas = make_deltas(workers, shape, dtype=torch.float64)
+    common, per_worker = merge.iso_cts_split(min(shape), workers, 0.8)
+    np.testing.assert_allclose(merge.iso_cts(deltas).numpy(), reference_iso_cts(deltas, common, per_worker), atol=1e-12)
+
+
 def reference_tsv(deltas: list[torch.Tensor]) -> np.ndarray:
-    """TSV straight from its definition, in numpy float64."""
+    """TSV straight from its definition, in numpy float64: k = max(1, ⌊r/R⌋) per worker."""
     arrays = [d.double().numpy() for d in deltas]
-    k = min(arrays[0].shape) // len(arrays)
+    k = max(1, min(arrays[0].shape) // len(arrays))
     factors = [np.linalg.svd(a, full_matrices=False) for a in arrays]
     u = np.concatenate([f[0][:, :k] for f in factors], axis=1)
     s = np.concatenate([f[1][:k] for f in factors])
     v = np.concatenate([f[2][:k].T for f in factors], axis=1)
-
-    def polar(x):
-        p, _, qt = np.linalg.svd(x, full_matrices=False)
-        return p @ qt
-
-    return polar(u) @ np.diag(s) @ polar(v).T
+    return polar_np(u) @ np.diag(s) @ polar_np(v).T
 
 
-@pytest.mark.parametrize("workers, shape", [(2, (12, 8)), (3, (9, 14)), (4, (8, 8))])
+@pytest.mark.parametrize("workers, shape", [(2, (12, 8)), (3, (9, 14)), (4, (8, 8)), (5, (4, 3)), (8, (6, 9))])
 def test_tsv_matches_its_definition(workers, shape):
+    """Including R > r, where every worker still keeps its top direction."""
     deltas = make_deltas(workers, shape, dtype=torch.float64)
     np.testing.assert_allclose(merge.tsv(deltas).numpy(), reference_tsv(deltas), atol=1e-10)
 
@@ -144,6 +198,12 @@ def test_ties_keeps_ties_at_the_threshold():
     delta = torch.tensor([3.0, -1.0, 1.0, 0.5])
     # density 0.5 keeps 2 entries; |-1| and |1| tie for second place, so both stay.
     assert torch.equal(merge._trim(delta, 0.5), torch.tensor([3.0, -1.0, 1.0, 0.0]))
+
+
+def test_ties_keeps_at_least_one_entry_per_tensor():
+    # density 0.2 of 4 entries is 0.8: the paper's code still keeps the largest one.
+    delta = torch.tensor([0.5, -3.0, 1.0, 2.0])
+    assert torch.equal(merge._trim(delta, 0.2), torch.tensor([0.0, -3.0, 0.0, 0.0]))
 
 
 def test_dare_without_dropping_is_the_mean():
@@ -184,7 +244,6 @@ def run_rule(rule: str, deltas: list[torch.Tensor], **knobs) -> torch.Tensor:
     return merger(rule, len(deltas), **knobs).merge("weight", deltas)
 
 
-@pytest.mark.filterwarnings("ignore:TSV on")
 @pytest.mark.parametrize("rule", RULE_NAMES)
 @pytest.mark.parametrize("shape", [(6, 4), (4, 6), (1, 5), (5, 1), (5,)])
 def test_all_zero_deltas_give_zeros(rule, shape):
@@ -203,14 +262,14 @@ def test_all_zero_deltas_give_zeros_for_every_iso_c_path(ortho, scale):
 @pytest.mark.parametrize("shape", [(1, 6), (6, 1)])
 @pytest.mark.parametrize("workers", [1, 3])
 def test_vector_shaped_matrices(rule, shape, workers):
-    """r = 1: Iso-C and Iso-CTS reduce to the mean, TSV to the mean (⌊1/R⌋ = 0) or the delta."""
+    """r = 1: Iso-C and Iso-CTS reduce to the mean; TSV keeps each worker's one direction."""
     deltas = make_deltas(workers, shape)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = run_rule(rule, deltas)
+    result = run_rule(rule, deltas)
     assert result.shape == shape and torch.isfinite(result).all()
-    if rule in ("mean", "tsv", "iso_c", "iso_cts"):
+    if rule in ("mean", "iso_c", "iso_cts"):
         torch.testing.assert_close(result, merge.mean(deltas), atol=1e-6, rtol=1e-5)
+    if rule == "tsv":
+        np.testing.assert_allclose(result.numpy(), reference_tsv(deltas), atol=1e-5)
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)
@@ -250,20 +309,6 @@ def test_one_worker(rule):
         assert 0 < kept.sum() < delta.numel()
     else:
         torch.testing.assert_close(result, expected[rule], atol=1e-5, rtol=1e-5)
-
-
-def test_tsv_without_components_falls_back_to_mean_and_warns_once_per_name():
-    m = merger("tsv", 5)
-    deltas = make_deltas(5, (4, 3))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        first = m.merge("layer.0.weight", deltas)
-        m.merge("layer.0.weight", deltas)
-        m.merge("layer.1.weight", deltas)
-    messages = [str(w.message) for w in caught]
-    assert len(messages) == 2
-    assert "layer.0.weight" in messages[0] and "layer.1.weight" in messages[1]
-    torch.testing.assert_close(first, merge.mean(deltas))
 
 
 @pytest.mark.parametrize("rule", ["tsv", "iso_c", "iso_cts"])
@@ -318,12 +363,12 @@ def test_wrong_number_of_deltas():
         ("dare", lambda m, n, R: m * n),
         ("iso_c", lambda m, n, R: m * n),
         ("ties", lambda m, n, R: 3 * m * n),
-        ("tsv", lambda m, n, R: (min(m, n) // R) * (m + n + 1)),
-        ("iso_cts", lambda m, n, R: m * n + ((min(m, n) - int(0.8 * min(m, n))) // R) * (m + n + 1)),
+        ("tsv", lambda m, n, R: merge.tsv_components(min(m, n), R) * (m + n + 1)),
+        ("iso_cts", lambda m, n, R: m * n + merge.iso_cts_split(min(m, n), R, 0.8)[1] * (m + n + 1)),
     ],
 )
-def test_bytes_sent_per_worker(rule, floats):
-    m, n, workers = 24, 20, 2
+@pytest.mark.parametrize("m, n, workers", [(24, 20, 2), (24, 30, 8), (4, 3, 5)])
+def test_bytes_sent_per_worker(rule, floats, m, n, workers):
     comm = LocalCommunicator(workers)
     merge.Merger(merge.MergeConfig(rule=rule), comm, seed=0).merge("w", make_deltas(workers, (m, n)))
     assert comm.reset_bytes() == 4 * floats(m, n, workers)

@@ -51,10 +51,11 @@ def test_diloco_sgd_h1_equals_data_parallel_sgd(tmp_path, workers):
 
 @pytest.mark.parametrize("inner_steps", [1, 3, 5])
 def test_one_worker_outer_sgd_lr1_equals_data_parallel(tmp_path, inner_steps):
-    dp = train(tmp_path, "dp", method="dp", **{"inner.lr": 0.003, "inner.weight_decay": 0.1})
+    # Same inner settings on both sides (dp clips nothing by default, DiLoCo's inner steps do).
+    inner = {"inner.lr": 0.003, "inner.weight_decay": 0.1, "inner.grad_clip": 1.0}
+    dp = train(tmp_path, "dp", method="dp", **inner)
     diloco = train(tmp_path, "diloco", method="diloco", workers=1, inner_steps=inner_steps,
-                   **{"outer.optimizer": "sgd", "outer.lr": 1.0, "outer.momentum": 0.0,
-                      "inner.lr": 0.003, "inner.weight_decay": 0.1})
+                   **{"outer.optimizer": "sgd", "outer.lr": 1.0, "outer.momentum": 0.0, **inner})
     assert_close_relative(diloco.global_params, dp.global_params, 1e-5)
 
 
@@ -169,3 +170,14 @@ def test_export_loads_with_from_pretrained(tmp_path):
     ids = tokenizer("In the beginning God created the heaven", return_tensors="pt").input_ids
     assert ids.shape[1] > 1 and int(ids.max()) < model.config.vocab_size
     assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_whole_rounds_stops_at_the_last_whole_round_of_the_schedule(tmp_path):
+    """steps=10, H=3: nine steps in three rounds, the learning rate still scheduled over ten."""
+    trainer = train(tmp_path, "whole", method="diloco", workers=2, inner_steps=3, whole_rounds=True)
+    lines = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 10))
+    assert lines[-1]["lr"] == trainer.workers[0].optimizer.lr_at(8) > trainer.workers[0].optimizer.lr_at(9)
+    assert trainer.summary()["steps"] == 9 and "val_loss" in lines[-1]
+    dp = train(tmp_path, "dp", method="dp", inner_steps=3, whole_rounds=True)
+    assert dp.summary()["steps"] == 10

@@ -8,6 +8,8 @@ overrides. Every value is validated before any work starts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import importlib.util
 import math
 import typing
 from dataclasses import dataclass
@@ -39,6 +41,21 @@ class LogConfig:
     def validate(self) -> None:
         pass
 
+    def check_installed(self) -> None:
+        """Refuse a logger whose extra is not installed, before a run starts (not at import:
+        a saved config naming one stays readable, e.g. for `isoloco export`)."""
+        for key, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")):
+            if getattr(self, key) and not _installed(module):
+                raise ConfigError(f"log.{key}=true needs the {module} package, which is not installed: "
+                                  f"pip install 'isoloco[{extra}]', or set log.{key}=false")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # sys.modules maps it to None: importing it is blocked
+        return False
+
 
 @dataclass
 class TrainConfig:
@@ -50,7 +67,10 @@ class TrainConfig:
     global_batch: int = option(32, "sequences per inner step across all workers (each worker takes global_batch/R)")
     seq_len: int = option(128, "tokens per training sequence")
     micro_batch: int = option(0, "at most this many sequences per forward/backward (gradient accumulation); 0 = a worker's whole batch at once")
-    steps: int = option(300, "total inner steps (each worker runs this many)")
+    steps: int = option(300, "total inner steps (each worker runs this many) and the length of the learning-rate schedule")
+    whole_rounds: bool = option(False, "diloco: train only whole rounds, floor(steps/H)*H steps, while the schedule still "
+                                "spans steps (the paper's code sizes both from the token budget); false: a last "
+                                "partial round syncs at steps")
     seed: int = option(0, "seed of model initialisation, data order and random merge rules")
     device: str = option("auto", "auto (CUDA when available, else CPU), cpu, cuda or cuda:N")
     offload_workers: bool = option(False, "keep idle workers' parameters and optimizer state in CPU memory (GPU runs with many workers)")
@@ -75,6 +95,13 @@ class TrainConfig:
         return min(self.micro_batch, per_worker) if self.micro_batch else per_worker
 
     @property
+    def train_steps(self) -> int:
+        """Inner steps actually trained: `steps`, or its last whole round with `whole_rounds`."""
+        if self.whole_rounds and self.algorithm == "diloco":
+            return self.steps // self.inner_steps * self.inner_steps
+        return self.steps
+
+    @property
     def num_workers(self) -> int:
         """Workers that actually train: dp trains one model on the global batch."""
         return 1 if self.algorithm == "dp" else self.workers
@@ -89,6 +116,9 @@ class TrainConfig:
         check_at_least("seq_len", self.seq_len, 2)
         check_at_least("micro_batch", self.micro_batch, 0)
         check_at_least("steps", self.steps, 1)
+        if self.train_steps == 0:
+            raise ConfigError(f"whole_rounds=true with steps={self.steps} < inner_steps={self.inner_steps} trains "
+                              "no round: raise steps or set whole_rounds=false")
         check_at_least("eval_every", self.eval_every, 1)
         check_at_least("eval_batch", self.eval_batch, 1)
         check_at_least("checkpoint_every", self.checkpoint_every, 0)
@@ -186,15 +216,25 @@ def apply_values(cfg: TrainConfig, values: dict[str, Any]) -> None:
     for name, raw in values.items():
         name = ALIASES.get(name, name)
         if name not in keys:
-            close = [k for k in keys if k.split(".")[-1] == name.split(".")[-1]]
-            hint = f" (did you mean {', '.join(close)}?)" if close else "; see `isoloco train --help` for every key"
-            raise ConfigError(f"unknown key {name!r}{hint}")
+            raise ConfigError(f"unknown key {name!r}{_did_you_mean(name, keys)}")
         value = _coerce(keys[name], raw)
         target = cfg
         *sections, leaf = name.split(".")
         for section in sections:
             target = getattr(target, section)
         setattr(target, leaf, value)
+
+
+def _did_you_mean(name: str, keys: dict[str, Key]) -> str:
+    """A hint for a misspelt key: the keys with this leaf name, else the closest spellings."""
+    close = [k for k in keys if k.split(".")[-1] == name.split(".")[-1]]
+    if not close:
+        # A leaf alone (`worker`) or a full dotted name (`inner.lrr`) may be the misspelt part.
+        names = {**{k.split(".")[-1]: k for k in keys}, **{k: k for k in keys}, **ALIASES}
+        close = sorted({names[m] for m in difflib.get_close_matches(name, names, n=3, cutoff=0.75)})
+    if close:
+        return f" (did you mean {', '.join(close)}?)"
+    return "; see `isoloco train --help` for every key"
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -229,6 +269,17 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------
 # Presets
+
+#: What `isoloco train` runs when no preset or file is named; overrides apply on top of it.
+DEFAULT_PRESET = "quick"
+
+
+def split_items(items: list[str]) -> tuple[str | None, list[str]]:
+    """A command line's optional preset (its first item, when it has no '=') and its key=value items."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
 
 
 def preset_names() -> list[str]:
@@ -284,10 +335,11 @@ def from_dict(tree: dict[str, Any]) -> TrainConfig:
     return cfg
 
 
-def describe_keys() -> str:
-    """The `--help` listing: every key with its default, allowed values and doc."""
+def describe_keys(cfg: TrainConfig) -> str:
+    """The `--help` listing: every key with its value in `cfg`, allowed values and doc."""
+    values = flatten(to_dict(cfg))
     lines = []
     for key in list_keys():
         allowed = f" {{{', '.join(map(str, key.choices))}}}" if key.choices else ""
-        lines.append(f"  {key.name} = {key.default!r}{allowed}\n      {key.doc}")
+        lines.append(f"  {key.name} = {values[key.name]!r}{allowed}\n      {key.doc}")
     return "\n".join(lines)

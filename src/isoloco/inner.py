@@ -38,7 +38,8 @@ class InnerConfig:
 
 def lr_factor(step: int, total_steps: int, warmup_fraction: float, min_ratio: float) -> float:
     """Multiplier of the peak LR at `step`: linear warm-up from min_ratio, cosine back to min_ratio."""
-    warmup = max(1, round(warmup_fraction * total_steps)) if warmup_fraction > 0 else 0
+    # ⌊fraction·total⌋ warm-up steps, as the paper's code counts them.
+    warmup = max(1, int(warmup_fraction * total_steps)) if warmup_fraction > 0 else 0
     if step < warmup:
         return min_ratio + (1.0 - min_ratio) * step / warmup
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))

@@ -23,7 +23,6 @@ import dataclasses
 import fnmatch
 import functools
 import hashlib
-import warnings
 from typing import Callable
 
 import torch
@@ -48,15 +47,14 @@ def mean_rule(deltas: list[torch.Tensor], comm: Communicator) -> torch.Tensor:
 
 
 def _trim(delta: torch.Tensor, density: float) -> torch.Tensor:
-    """Keep the ⌊density·numel⌋ entries of largest magnitude, zero the rest.
+    """Keep the max(1, ⌊density·numel⌋) entries of largest magnitude, zero the rest.
 
-    The count follows peft's `magnitude_based_pruning`; entries tied with the smallest kept
-    magnitude are all kept (a threshold is deterministic on every device, unlike the index
-    order `topk` picks among ties), so the two agree whenever magnitudes are distinct.
+    The count is the paper's code's (peft's `magnitude_based_pruning` keeps ⌊density·numel⌋,
+    which is the same but for tensors too small to keep one entry). Entries tied with the
+    smallest kept magnitude are all kept: a threshold is deterministic on every device,
+    unlike the index order `topk` picks among ties.
     """
-    keep = int(density * delta.numel())
-    if keep == 0:
-        return torch.zeros_like(delta)
+    keep = max(1, int(density * delta.numel()))
     magnitude = delta.abs().flatten()
     threshold = torch.kthvalue(magnitude, magnitude.numel() - keep + 1).values
     return torch.where(delta.abs() >= threshold, delta, torch.zeros_like(delta))
@@ -109,10 +107,10 @@ def _matrices_only(rule: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
     return rule_or_mean
 
 
-def _top_factors(matrix: torch.Tensor, k: int) -> torch.Tensor:
+def _top_factors(matrix: torch.Tensor, k: int, largest: torch.Tensor | None = None) -> torch.Tensor:
     """The top-k SVD factors of a matrix packed as one (m + 1 + n) × k tensor [U_k; S_k; V_k],
-    so a worker's factors travel in one all-gather."""
-    u, s, vh = thin_svd(matrix)
+    so a worker's factors travel in one all-gather (`largest`: see `thin_svd`)."""
+    u, s, vh = thin_svd(matrix, largest)
     return torch.cat([u[:, :k], s[None, :k], vh[:k].mT])
 
 
@@ -127,33 +125,20 @@ def _assemble(u: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return (polar_svd(u).factor * s) @ polar_svd(v).factor.mT
 
 
+def tsv_components(rank: int, workers: int) -> int:
+    """TSV's directions per worker: k = max(1, ⌊r/R⌋), at least one also when R > r."""
+    return max(1, rank // workers)
+
+
 @_matrices_only
-def tsv_rule(
-    deltas: list[torch.Tensor],
-    comm: Communicator,
-    *,
-    name: str = "tensor",
-    warned: set[str] | None = None,
-) -> torch.Tensor:
-    """TSV: each worker's top k = ⌊r/R⌋ singular triplets, stacked and decorrelated.
+def tsv_rule(deltas: list[torch.Tensor], comm: Communicator) -> torch.Tensor:
+    """TSV: each worker's top k = `tsv_components(r, R)` singular triplets, stacked and decorrelated.
 
     The stacked U (m×Rk) and V (n×Rk) are replaced by their polar factors, the singular
-    values kept. With k = 0 (more workers than the rank) it falls back to the mean and warns,
-    once per tensor name when `warned` (the names already warned about) is given.
+    values kept; the result is their sum, not a mean (the paper's outer lr is tuned for it).
     """
     rows, cols = deltas[0].shape
-    k = min(rows, cols) // comm.num_workers
-    if k == 0:
-        if warned is None or name not in warned:
-            warnings.warn(
-                f"TSV on {name!r} ({rows}x{cols}) with {comm.num_workers} workers keeps "
-                f"floor(rank/R) = 0 components per worker; using the mean for this tensor",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            if warned is not None:
-                warned.add(name)
-        return mean_rule(deltas, comm)
+    k = tsv_components(min(rows, cols), comm.num_workers)
     u, s, v = _gather_factors([_top_factors(delta, k) for delta in deltas], comm, rows)
     return _assemble(u, s, v)
 
@@ -176,25 +161,40 @@ def iso_c_rule(
     return iso_correct(mean_rule(deltas, comm), ortho, scale, ns_steps, ns_dtype)
 
 
+def iso_cts_split(rank: int, workers: int, common_fraction: float) -> tuple[int, int]:
+    """Iso-CTS's split of the rank r into (common, per_worker) directions, as the paper's code:
+    k = ⌊f·r⌋, s = round((r − k)/R) with round-half-to-even, common = r − R·s.
+
+    Where R·s would exceed r (a small f with R > r/2: the paper's code would slice with a
+    negative index there), s is lowered to ⌊r/R⌋ so the common block is never negative.
+    """
+    per_worker = min(round((rank - int(common_fraction * rank)) / workers), rank // workers)
+    return rank - workers * per_worker, per_worker
+
+
 @_matrices_only
 def iso_cts_rule(deltas: list[torch.Tensor], comm: Communicator, *, common_fraction: float) -> torch.Tensor:
     """Iso-CTS: Iso-C's common subspace plus each worker's own top directions outside it.
 
-    From the SVD of the mean M, the common block keeps the top r − R·s directions, where
-    s = ⌊(r − ⌊f·r⌋)/R⌋ directions go to each worker: the top-s SVD factors of
-    Δ_r − U_c U_cᵀ Δ_r. Common and per-worker blocks are stacked, U and V replaced by their
-    polar factors, and every singular value set to the mean of all r of them.
+    With (common, s) = `iso_cts_split(r, R, f)`: the common block is the top `common` SVD
+    factors of the mean M; each worker adds the top-s SVD factors of its residual
+    Δ_r/R − U_c U_cᵀ Δ_r/R (the paper's code scales every delta by 1/R before anything else,
+    so a worker's singular values are on the scale of its share of the mean). Common and
+    per-worker blocks are stacked, U and V replaced by their polar factors, and every
+    singular value set to the mean of all r collected ones.
     """
     mean = mean_rule(deltas, comm)
     rows, cols = mean.shape
     rank = min(rows, cols)
-    per_worker = (rank - int(common_fraction * rank)) // comm.num_workers
-    common = rank - comm.num_workers * per_worker
+    common, per_worker = iso_cts_split(rank, comm.num_workers, common_fraction)
     u, s, vh = thin_svd(mean)
     u_c, s_c, v_c = u[:, :common], s[:common], vh[:common].mT
     if per_worker > 0:
-        residuals = [delta - u_c @ (u_c.mT @ delta) for delta in deltas]
-        u_w, s_w, v_w = _gather_factors([_top_factors(r, per_worker) for r in residuals], comm, rows)
+        workers = comm.num_workers
+        # A residual is judged null against its delta (‖Δ_r/R‖_F bounds its largest σ).
+        packed = [_top_factors((delta - u_c @ (u_c.mT @ delta)) / workers, per_worker, delta.norm() / workers)
+                  for delta in deltas]
+        u_w, s_w, v_w = _gather_factors(packed, comm, rows)
         # Stack the workers' blocks after the common one.
         u_c, s_c, v_c = torch.cat([u_c, u_w], 1), torch.cat([s_c, s_w]), torch.cat([v_c, v_w], 1)
     return _assemble(u_c, s_c.mean().expand(rank), v_c)
@@ -330,9 +330,7 @@ class RuleContext:
     """What a rule may need beyond the deltas and the communicator."""
 
     config: MergeConfig
-    name: str
     generators: list[torch.Generator]  # one per local worker (DARE)
-    warned: set[str]  # tensor names already warned about (TSV's fallback)
 
 
 def iso_c_finalize(aggregate: torch.Tensor, config: MergeConfig) -> torch.Tensor:
@@ -363,7 +361,7 @@ RULES: dict[str, RuleEntry] = {
     "dare": RuleEntry(
         lambda d, comm, ctx: dare_rule(d, comm, drop_rate=ctx.config.drop_rate, generators=ctx.generators)
     ),
-    "tsv": RuleEntry(lambda d, comm, ctx: tsv_rule(d, comm, name=ctx.name, warned=ctx.warned), spectral=True),
+    "tsv": RuleEntry(lambda d, comm, ctx: tsv_rule(d, comm), spectral=True),
     # Iso-C = one all-reduce, then `iso_c_rule`'s correction as a separate, shardable step.
     "iso_c": RuleEntry(lambda d, comm, ctx: mean_rule(d, comm), spectral=True, finalize=iso_c_finalize),
     "iso_cts": RuleEntry(
@@ -396,7 +394,6 @@ class Merger:
         self.seed = seed
         self._generators: dict[int, torch.Generator] = {}
         self._pending_states: dict[int, torch.Tensor] = {}  # loaded before first use
-        self._warned: set[str] = set()
 
     def merge(self, name: str, local_deltas: list[torch.Tensor], round: int | None = None) -> torch.Tensor:
         """Merge parameter `name`'s local deltas (one per local worker, in order) across all
@@ -415,7 +412,7 @@ class Merger:
         entry = RULES[self.cfg.rule]
         if entry.spectral and self.cfg.excludes(name):
             return mean_rule(local_deltas, self.comm)
-        context = RuleContext(self.cfg, name, self._local_generators(local_deltas[0].device), self._warned)
+        context = RuleContext(self.cfg, self._local_generators(local_deltas[0].device))
         return entry.aggregate(local_deltas, self.comm, context)
 
     def finalize(self, name: str, aggregate: torch.Tensor) -> torch.Tensor:

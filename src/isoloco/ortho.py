@@ -108,9 +108,11 @@ def null_rtol(matrix: torch.Tensor) -> float:
     return math.sqrt(max(matrix.shape[-2], matrix.shape[-1])) * torch.finfo(dtype).eps
 
 
-def _null_mask(singular_values: torch.Tensor, rtol: float) -> torch.Tensor:
-    """True where a singular value is numerically null (all of them for a zero matrix)."""
-    largest = singular_values.amax(dim=-1, keepdim=True)
+def _null_mask(singular_values: torch.Tensor, rtol: float, largest: torch.Tensor | None = None) -> torch.Tensor:
+    """True where a singular value is numerically null (all of them for a zero matrix);
+    `largest` defaults to the largest of `singular_values`."""
+    if largest is None:
+        largest = singular_values.amax(dim=-1, keepdim=True)
     return singular_values <= rtol * largest
 
 
@@ -146,16 +148,21 @@ def _svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return u.to(matrix.dtype), s.to(matrix.dtype), vh.to(matrix.dtype)
 
 
-def thin_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def thin_svd(
+    matrix: torch.Tensor, largest: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Thin SVD U, S, Vᴴ with numerically null directions zeroed in all three.
 
     The singular vectors of a null direction are arbitrary (whatever rounding produced), so
     callers that stack or orthogonalise singular vectors (Iso-C, TSV, Iso-CTS) must not see
-    them. Retries in float64, with a warning, if LAPACK fails to converge.
+    them. "Null" is relative to the matrix's own largest singular value unless `largest` is
+    given: what is left of a matrix after projecting a subspace out must be judged against
+    the matrix it was cut from, or its rounding noise would pass for signal. Retries in
+    float64, with a warning, if LAPACK fails to converge.
     """
     _check_matrix(matrix)
     u, s, vh = _svd(matrix)
-    null = _null_mask(s, null_rtol(matrix))
+    null = _null_mask(s, null_rtol(matrix), largest)
     return u.masked_fill(null.unsqueeze(-2), 0), s.masked_fill(null, 0), vh.masked_fill(null.unsqueeze(-1), 0)
 
 

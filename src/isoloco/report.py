@@ -28,6 +28,7 @@ from typing import Any, Iterable
 
 import yaml
 
+from isoloco.config import from_dict
 from isoloco.configbase import ConfigError
 from isoloco.methods import METHODS
 
@@ -104,7 +105,7 @@ def load_run(run_dir: Path) -> RunResult:
     return RunResult(
         name=run_dir.name, method=cfg["method"], workers=None if dp else cfg["workers"],
         inner_steps=None if dp else cfg["inner_steps"], seed=cfg["seed"], model=cfg["model"],
-        tokens=cfg["steps"] * cfg["global_batch"] * cfg["seq_len"], final_val_loss=summary.get("final_val_loss"),
+        tokens=from_dict(cfg).train_steps * cfg["global_batch"] * cfg["seq_len"], final_val_loss=summary.get("final_val_loss"),
         wall_time_s=summary.get("wall_time_s"), curve=_read_curve(run_dir / METRICS_FILE))
 
 

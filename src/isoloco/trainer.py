@@ -76,7 +76,7 @@ class Trainer:
         self.device = self.dist.place(resolve_device(cfg.device))
         self.data: TokenData = load_token_data(cfg.data)
         self.batches = Batches(self.data.train, cfg.seq_len, cfg.global_batch, cfg.seed)
-        self.batches.check_budget(cfg.steps, cfg.data.allow_repeat)
+        self.batches.check_budget(cfg.train_steps, cfg.data.allow_repeat)
         self.val = validation_batches(self.data.val, cfg.seq_len, cfg.data.val_tokens, cfg.eval_batch)
         self.model = build_model(cfg.model, self.data.vocab_size, cfg.seq_len, cfg.seed).to(self.device)
         self.num_params = count_parameters(self.model)
@@ -301,12 +301,12 @@ class Trainer:
             tensorboard_dir=self.out_dir / "tensorboard" if cfg.log.tensorboard else None,
             wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
             run_name=self.out_dir.name, config=to_dict(cfg)) if self.dist.is_main else NullMetricsLog()
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True)
+        bar = tqdm(total=cfg.train_steps, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True)
         stop = GracefulStop()
         try:
-            while self.step < cfg.steps:
+            while self.step < cfg.train_steps:
                 start = self.step
-                end = min((start // cfg.inner_steps + 1) * cfg.inner_steps, cfg.steps)
+                end = min((start // cfg.inner_steps + 1) * cfg.inner_steps, cfg.train_steps)
                 began = time.perf_counter()
                 losses = self._round(start, end).tolist()
                 seconds = time.perf_counter() - began
@@ -317,7 +317,7 @@ class Trainer:
                     record_extra["bytes_per_worker"] = self.comm.reset_bytes()
                 if self.dropped:
                     record_extra["dropped_workers"] = self.dropped
-                if self._due(cfg.eval_every, start, end) or end == cfg.steps:
+                if self._due(cfg.eval_every, start, end) or end == cfg.train_steps:
                     self.last_val_loss = self.evaluate()
                     record_extra["val_loss"] = self.last_val_loss
                 for i, step in enumerate(range(start, end)):
@@ -335,9 +335,9 @@ class Trainer:
                                              "lower inner.lr or outer.lr")
                 # A signal may reach some processes only: all stop at the same boundary.
                 signum = int(self.dist.max(stop.signum or 0))
-                if self._due(cfg.checkpoint_every, start, end) or end == cfg.steps or signum:
+                if self._due(cfg.checkpoint_every, start, end) or end == cfg.train_steps or signum:
                     self.save(log.flush())
-                if signum and end < cfg.steps:
+                if signum and end < cfg.train_steps:
                     raise StopRequested(signum, end)
         finally:
             stop.restore()
@@ -353,10 +353,10 @@ class Trainer:
             "algorithm": cfg.algorithm,
             "workers": cfg.workers,
             "inner_steps": cfg.inner_steps,
-            "steps": cfg.steps,
+            "steps": cfg.train_steps,
             "global_batch": cfg.global_batch,
             "seq_len": cfg.seq_len,
-            "tokens": cfg.steps * cfg.global_batch * cfg.seq_len,
+            "tokens": cfg.train_steps * cfg.global_batch * cfg.seq_len,
             "params": self.num_params,
             "model": cfg.model,
             "seed": cfg.seed,

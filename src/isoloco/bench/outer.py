@@ -13,7 +13,6 @@ outer optimizer — runs on the preset's parameters with R pseudo-gradients
 from __future__ import annotations
 
 import itertools
-import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -63,9 +62,7 @@ def outer_fractions(preset: str, workers: int, setting: OuterSetting, methods: t
         params = [(name, torch.nn.Parameter(param.detach().clone())) for name, param in trainer.named_params]
         step = OuterStep(params, merge, outer, LocalCommunicator(workers), seed=0)
         cases[method] = lambda step=step: step.step(deltas, round=0)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="TSV on")  # its fallback to the mean when ⌊r/R⌋ = 0
-        timings = interleaved(cases, repeats)
+    timings = interleaved(cases, repeats)
     round_seconds = timings["block"].median * workers * setting.inner_steps / block
     return {method: timings[method].median / round_seconds for method in methods}
 
