@@ -39,6 +39,12 @@ def export(path: Path, out_dir: Path) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(weights[name])
+    # The special ids come from the tokenizer (the model config's defaults are Llama's 1 and 2,
+    # bytes in our BPE): generate() stops on eos_token_id.
+    for role in ("bos", "eos", "pad"):
+        token_id = getattr(tokenizer, f"{role}_token_id")
+        setattr(model.config, f"{role}_token_id", token_id)
+        setattr(model.generation_config, f"{role}_token_id", token_id)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
