@@ -89,3 +89,21 @@ def test_a_directory_without_runs_exits_2(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "holds no run directories" in err and len(err.splitlines()) == 1
+
+
+def test_plots_have_titles_and_each_token_budget_its_own_colour(tmp_path):
+    from isoloco.report import _against, _curves
+
+    for steps in (6, 12):
+        _fake_run(tmp_path, f"dp-steps{steps}", 4.0, method="dp", workers=1, steps=steps)
+        for r in (1, 2):
+            _fake_run(tmp_path, f"isoloco-R{r}-H3-steps{steps}", 4.0 + r / 10 + steps / 100, method="isoloco",
+                      workers=r, inner_steps=3, steps=steps)
+    runs = load_runs(tmp_path)
+    for gap in (False, True):
+        ax = _against(runs, "workers", gap).axes[0]
+        assert ax.get_title() in ("Final validation loss against workers R", "Gap to DP against workers R")
+        budgets = ax.containers  # one errorbar per series: isoloco at each budget
+        assert len(budgets) == 2 and len({c.lines[0].get_color() for c in budgets}) == 2
+    curves = [line for ax in _curves(runs).axes for line in ax.get_lines() if line.get_linestyle() == "-"]
+    assert len({line.get_color() for line in curves}) == 2

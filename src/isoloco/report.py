@@ -249,9 +249,9 @@ def _save(fig: Any, path: Path) -> None:
     fig.savefig(path, dpi=110, metadata={"Software": None})
 
 
-def _colors(runs: list[RunResult]) -> dict[str, str]:
-    methods = sorted({r.method for r in runs}, key=_method_rank)
-    return {m: f"C{i % 10}" for i, m in enumerate(methods)}
+def _colors(labels: Iterable[str]) -> dict[str, str]:
+    """A colour per series (a method at one token budget, H, ...), in the order of `labels`."""
+    return {label: f"C{i % 10}" for i, label in enumerate(dict.fromkeys(labels))}
 
 
 def _log2_axis(ax: Any, values: list[int], title: str) -> None:
@@ -268,7 +268,7 @@ def _series_label(run: RunResult, varying: list[str]) -> str:
     return run.method + "".join(f" {short[d]}={getattr(run, d)}" for d in varying)
 
 
-def _against(runs: list[RunResult], axis: str, gap: bool, colors: dict[str, str]) -> Any:
+def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
     """Final loss (or gap to DP) against `axis`: one line per method (and per other varying axis)."""
     from matplotlib.figure import Figure
 
@@ -276,20 +276,19 @@ def _against(runs: list[RunResult], axis: str, gap: bool, colors: dict[str, str]
     varying = [d for d in ("workers", "inner_steps", "tokens")
                if d != axis and len({getattr(r, d) for r in trained}) > 1]
     series: dict[str, dict[int, list[float]]] = {}
-    method_of: dict[str, str] = {}
     for r in trained:
         value = r.gap_pct if gap else r.final_val_loss
         if value is not None:
-            label = _series_label(r, varying)
-            series.setdefault(label, {}).setdefault(getattr(r, axis), []).append(value)
-            method_of[label] = r.method
+            series.setdefault(_series_label(r, varying), {}).setdefault(getattr(r, axis), []).append(value)
+    colors = _colors(series)
     fig = Figure(figsize=(6.4, 4.4), layout="constrained")
     ax = fig.add_subplot()
+    ax.set_title(f"{'Gap to DP' if gap else 'Final validation loss'} against {X_AXES[axis][1]}")
     for label, points in series.items():
         xs = sorted(points)
         stats = [_mean_std(points[x]) for x in xs]
         ax.errorbar(xs, [m for m, _ in stats], yerr=[s or 0.0 for _, s in stats], marker="o", capsize=3,
-                    color=colors[method_of[label]], label=label)
+                    color=colors[label], label=label)
     if gap:
         ax.axhline(0.0, color="black", linestyle="--", linewidth=1, label="dp")
         ax.set_ylabel("gap to DP (%)")
@@ -306,7 +305,7 @@ def _against(runs: list[RunResult], axis: str, gap: bool, colors: dict[str, str]
     return fig
 
 
-def _curves(runs: list[RunResult], colors: dict[str, str]) -> Any:
+def _curves(runs: list[RunResult]) -> Any:
     """Validation loss against tokens, one panel per R; dp (dashed) in every panel."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import EngFormatter
@@ -316,6 +315,7 @@ def _curves(runs: list[RunResult], colors: dict[str, str]) -> Any:
     panels = sorted({r.workers for r in trained}) or [None]
     varying = [d for d in ("inner_steps", "tokens") if len({getattr(r, d) for r in trained}) > 1]
     seeds = len({r.seed for r in with_curve}) > 1
+    colors = _colors(_series_label(r, varying) for r in trained)
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig = Figure(figsize=(4.2 * cols + 1.8, 3.4 * rows), layout="constrained")
@@ -330,8 +330,9 @@ def _curves(runs: list[RunResult], colors: dict[str, str]) -> Any:
         for r in [x for x in with_curve if x.is_dp or x.workers == workers]:
             label = "dp" if r.is_dp else _series_label(r, varying)
             label += f" seed {r.seed}" if seeds else ""
-            (line,) = ax.plot([t for t, _ in r.curve], [v for _, v in r.curve], marker=".",
-                              color="black" if r.is_dp else colors[r.method], linestyle="--" if r.is_dp else "-")
+            color, style = ("black", "--") if r.is_dp else (colors[_series_label(r, varying)], "-")
+            (line,) = ax.plot([t for t, _ in r.curve], [v for _, v in r.curve], marker=".", color=color,
+                              linestyle=style)
             handles.setdefault(label, line)
         ax.set_title("dp" if workers is None else f"R = {workers}")
         ax.set_xlabel("training tokens")
@@ -352,7 +353,6 @@ def write_plots(runs: list[RunResult], folder: Path) -> list[tuple[str, str]]:
     import matplotlib.style
 
     folder.mkdir(parents=True, exist_ok=True)
-    colors = _colors(runs)
     trained = [r for r in runs if not r.is_dp and r.final_val_loss is not None]
     written: list[tuple[str, str]] = []
     with matplotlib.style.context("default"):
@@ -360,10 +360,10 @@ def write_plots(runs: list[RunResult], folder: Path) -> list[tuple[str, str]]:
             if trained and (axis == "workers" or len({getattr(r, axis) for r in trained}) > 1):
                 for gap, stem, caption in ((False, "val_loss", "Final validation loss"), (True, "gap", "Gap to DP")):
                     file = f"{stem}_vs_{short}.png"
-                    _save(_against(runs, axis, gap, colors), folder / file)
+                    _save(_against(runs, axis, gap), folder / file)
                     written.append((file, f"{caption} vs {short}"))
         if any(r.curve for r in runs):
-            _save(_curves(runs, colors), folder / "val_curves.png")
+            _save(_curves(runs), folder / "val_curves.png")
             written.append(("val_curves.png", "Validation loss curves"))
     return written
 
