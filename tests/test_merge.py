@@ -463,36 +463,42 @@ def test_rules_do_not_depend_on_the_process_layout(rule, world_size):
                 torch.testing.assert_close(got_round[name], want_round[name], atol=1e-5, rtol=1e-5)
 
 
-# ------------------------------------------------------------------------- merger state
+# ------------------------------------------------------------------------- DARE's masks
 
 
-def test_dare_state_round_trip_continues_identically():
+def test_dare_masks_depend_only_on_seed_worker_round_and_parameter():
+    """No state: a merger made afresh (a resumed run, another device or layout) draws the
+    masks of round 3 that a merger which drew rounds 0-2 first draws."""
     deltas = make_deltas(3, (5, 4))
-    original = merger("dare", 3, seed=4)
-    original.merge("w", deltas)
-    state = original.state_dict()
-    assert set(state) == {"dare_generator.0", "dare_generator.1", "dare_generator.2"}
-    assert all(v.dtype == torch.uint8 for v in state.values())
-    expected = [original.merge("w", deltas) for _ in range(2)]
+    used = merger("dare", 3, seed=4)
+    for round in range(3):
+        used.merge("w", deltas, round)
+    fresh = merger("dare", 3, seed=4)
+    assert torch.equal(fresh.merge("w", deltas, 3), used.merge("w", deltas, 3))
+    # Each of the four changes the masks.
+    for other in (merger("dare", 3, seed=5).merge("w", deltas, 3), fresh.merge("v", deltas, 3),
+                  fresh.merge("w", deltas, 2)):
+        assert not torch.equal(other, used.merge("w", deltas, 3))
 
-    restored = merger("dare", 3, seed=999)  # the seed no longer matters once state is loaded
-    restored.load_state_dict(state)
-    assert all(torch.equal(restored.merge("w", deltas), e) for e in expected)
 
-
-def test_dare_streams_depend_on_seed_and_worker():
+def test_dare_masks_differ_between_workers():
     (delta,) = make_deltas(1, (6, 6))
     dropped = merger("dare", 2, seed=1, drop_rate=0.5).merge("w", [delta, delta])
     # An entry equals Δ only if exactly one worker kept it ((2Δ + 0)/2): the masks differ.
     assert (dropped == delta).any()
-    other_seed = merger("dare", 2, seed=2, drop_rate=0.5).merge("w", [delta, delta])
-    assert not torch.equal(dropped, other_seed)
 
 
-def test_state_of_unused_generators_is_empty_and_bad_keys_are_rejected():
-    assert merger("mean", 2).state_dict() == {}
-    with pytest.raises(ValueError, match="unexpected merger state key"):
-        merger("dare", 2).load_state_dict({"dare_generator.5": torch.zeros(1, dtype=torch.uint8)})
+def test_dare_masks_are_drawn_on_the_cpu_generator_for_any_delta_dtype():
+    """The mask a worker gets is the CPU generator's draw, whatever the deltas' dtype, so a
+    CUDA run draws the masks a CPU run draws."""
+    deltas = make_deltas(2, (8, 4), dtype=torch.float64)
+    m = merger("dare", 2, seed=3, drop_rate=0.3)
+    kept = [torch.bernoulli(torch.full((8, 4), 0.7), generator=merge.mask_generator(3, w, 1, "w")).double()
+            for w in range(2)]
+    expected = sum(d * k / 0.7 for d, k in zip(deltas, kept)) / 2
+    torch.testing.assert_close(m.merge("w", deltas, 1), expected, rtol=1e-12, atol=0)
+    single = m.merge("w", [d.float() for d in deltas], 1)
+    torch.testing.assert_close(single, expected.float(), rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------- config

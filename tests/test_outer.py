@@ -196,9 +196,7 @@ def test_state_dict_layout():
     assert step.state_dict() == {}  # nothing before the first step
     step.step(make_round_deltas(0), round=0)
     state = step.state_dict()
-    assert set(state) == {f"momentum_buffer.{name}" for name in SHAPES} | {
-        f"merger.dare_generator.{w}" for w in range(WORKERS)
-    }
+    assert set(state) == {f"momentum_buffer.{name}" for name in SHAPES}  # DARE's masks need no state
     # A snapshot, not a view of live state.
     state["momentum_buffer.attn.weight"].zero_()
     assert step.state_dict()["momentum_buffer.attn.weight"].abs().sum() > 0

@@ -83,15 +83,17 @@ def dare_rule(
 ) -> torch.Tensor:
     """DARE: drop each entry with probability p, rescale survivors by 1/(1−p), then mean.
 
-    `generators[k]` draws local worker k's mask (None: torch's global generator). The mask is
-    drawn as peft's `random_pruning` draws it, `bernoulli(full_like(Δ, 1 − p))`, so equal
-    generator states give equal masks.
+    `generators[k]` draws local worker k's mask on the generator's device (None: torch's global
+    generator, on the delta's device). The mask is drawn as peft's `random_pruning` draws it for
+    float32 deltas, `bernoulli(full_like(Δ, 1 − p))`, so equal generator states give equal masks.
     """
     keep = 1.0 - drop_rate
-    dropped = [
-        delta * torch.bernoulli(torch.full_like(delta, keep), generator=generator) / keep
-        for delta, generator in zip(deltas, generators)
-    ]
+    dropped = []
+    for delta, generator in zip(deltas, generators):
+        device = generator.device if generator is not None else delta.device
+        # Drawn in float32 whatever the deltas' dtype: the draw depends on the dtype.
+        mask = torch.bernoulli(torch.full(delta.shape, keep, device=device), generator=generator)
+        dropped.append(delta * mask.to(delta.device, delta.dtype) / keep)
     return comm.mean(dropped)
 
 
@@ -370,34 +372,33 @@ RULES: dict[str, RuleEntry] = {
 }
 
 
-def worker_seed(seed: int, worker: int) -> int:
-    """A 64-bit seed for global worker `worker`'s DARE stream, decorrelated across (seed,
-    worker) pairs (seed + worker would give run 0's worker 1 run 1's worker 0 masks)."""
-    digest = hashlib.blake2b(f"isoloco.merge.dare:{seed}:{worker}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+def mask_generator(seed: int, worker: int, round: int, name: str) -> torch.Generator:
+    """The CPU generator of global worker `worker`'s DARE mask for parameter `name` in round
+    `round`: seeded afresh from all four every time, so there is no state to checkpoint, and a
+    CPU generator draws the same mask whatever device, process layout or resume the run has.
+    The hash keeps the streams apart (seed + worker would give run 0's worker 1 run 1's
+    worker 0 masks)."""
+    digest = hashlib.blake2b(f"isoloco.merge.dare:{seed}:{worker}:{round}:{name}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
 
 class Merger:
     """Applies the configured rule to each parameter, for the workers this process holds.
 
-    DARE's masks come from one `torch.Generator` per worker, seeded from (seed, global worker
-    id) and created on the deltas' device at first use, so every process layout draws the
-    same masks for the same worker.
+    It holds no state between rounds: DARE's masks come from `mask_generator`, seeded by
+    (seed, global worker id, round, parameter name).
     """
-
-    _GENERATOR_KEY = "dare_generator."
 
     def __init__(self, cfg: MergeConfig, comm: Communicator, seed: int) -> None:
         cfg.validate()
         self.cfg = cfg
         self.comm = comm
         self.seed = seed
-        self._generators: dict[int, torch.Generator] = {}
-        self._pending_states: dict[int, torch.Tensor] = {}  # loaded before first use
 
     def merge(self, name: str, local_deltas: list[torch.Tensor], round: int | None = None) -> torch.Tensor:
         """Merge parameter `name`'s local deltas (one per local worker, in order) across all
-        R workers; the deltas are read, never written. Same as `finalize(aggregate(...))`."""
+        R workers; the deltas are read, never written. Same as `finalize(aggregate(...))`.
+        `round` names the synchronisation in errors and seeds DARE's masks (None counts as 0)."""
         return self.finalize(name, self.aggregate(name, local_deltas, round))
 
     def aggregate(self, name: str, local_deltas: list[torch.Tensor], round: int | None = None) -> torch.Tensor:
@@ -412,7 +413,7 @@ class Merger:
         entry = RULES[self.cfg.rule]
         if entry.spectral and self.cfg.excludes(name):
             return mean_rule(local_deltas, self.comm)
-        context = RuleContext(self.cfg, self._local_generators(local_deltas[0].device))
+        context = RuleContext(self.cfg, self._mask_generators(name, round or 0))
         return entry.aggregate(local_deltas, self.comm, context)
 
     def finalize(self, name: str, aggregate: torch.Tensor) -> torch.Tensor:
@@ -446,41 +447,7 @@ class Merger:
     def _needs_finalize(self, name: str, aggregate: torch.Tensor) -> bool:
         return RULES[self.cfg.rule].finalize is not None and aggregate.ndim == 2 and not self.cfg.excludes(name)
 
-    def _local_generators(self, device: torch.device) -> list[torch.Generator]:
+    def _mask_generators(self, name: str, round: int) -> list[torch.Generator]:
         if self.cfg.rule != "dare":
             return []
-        return [self._generator(worker, device) for worker in self.comm.local_worker_ids]
-
-    def _generator(self, worker: int, device: torch.device) -> torch.Generator:
-        if worker not in self._generators:
-            generator = torch.Generator(device=device)
-            if worker in self._pending_states:
-                generator.set_state(self._pending_states.pop(worker))
-            else:
-                generator.manual_seed(worker_seed(self.seed, worker))
-            self._generators[worker] = generator
-        return self._generators[worker]
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The local workers' DARE generator states as uint8 tensors (safetensors-ready).
-
-        A generator never used is absent: restoring it means seeding it afresh.
-        """
-        states = {worker: g.get_state() for worker, g in self._generators.items()}
-        states.update({worker: s.clone() for worker, s in self._pending_states.items()})
-        return {f"{self._GENERATOR_KEY}{worker}": state for worker, state in sorted(states.items())}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        local = set(self.comm.local_worker_ids)
-        restored: dict[int, torch.Tensor] = {}
-        for key, value in state.items():
-            suffix = key.removeprefix(self._GENERATOR_KEY)
-            worker = int(suffix) if key.startswith(self._GENERATOR_KEY) and suffix.isdigit() else None
-            if worker not in local:
-                raise ValueError(
-                    f"unexpected merger state key {key!r}: expected {self._GENERATOR_KEY}<id> for the "
-                    f"local workers {sorted(local)}"
-                )
-            restored[worker] = value.to(torch.uint8).cpu().clone()
-        self._generators.clear()
-        self._pending_states = restored
+        return [mask_generator(self.seed, worker, round, name) for worker in self.comm.local_worker_ids]

@@ -198,7 +198,6 @@ class OuterStep:
     """
 
     _BUFFER_KEY = "momentum_buffer."
-    _MERGER_KEY = "merger."
 
     def __init__(
         self,
@@ -238,35 +237,26 @@ class OuterStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def state_dict(self, include_merger: bool = True) -> dict[str, torch.Tensor]:
-        """A flat snapshot (copies): ``momentum_buffer.<param>`` and ``merger.<key>`` tensors.
-
-        Parameters without a buffer (before the first step, or with no momentum) are absent.
-        With ``include_merger=False`` only the buffers, which every process holds alike; the
-        merger's state belongs to this process's workers (see `Merger.state_dict`).
-        """
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A flat snapshot (copies) of the momentum buffers, ``momentum_buffer.<param>``, which
+        every process holds alike (the merger keeps no state between rounds). Parameters without
+        a buffer (before the first step, or with no momentum) are absent."""
         state = {}
         for name, param in self.named_params:
             buffer = self.optimizer.state.get(param, {}).get("momentum_buffer")
             if buffer is not None:
                 state[self._BUFFER_KEY + name] = buffer.detach().clone()
-        if include_merger:
-            for key, value in self.merger.state_dict().items():
-                state[self._MERGER_KEY + key] = value
         return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore a `state_dict`; continuing afterwards reproduces the original run bit for bit."""
-        buffers, merger_state = {}, {}
+        buffers = {}
         for key, value in state.items():
-            if key.startswith(self._MERGER_KEY):
-                merger_state[key.removeprefix(self._MERGER_KEY)] = value
-                continue
             name = key.removeprefix(self._BUFFER_KEY)
             if not key.startswith(self._BUFFER_KEY) or name not in self._params:
                 raise ValueError(
                     f"unexpected outer state key {key!r}: expected {self._BUFFER_KEY}<parameter name> "
-                    f"or {self._MERGER_KEY}<key> (is this checkpoint from another model?)"
+                    f"(is this checkpoint from another model?)"
                 )
             param = self._params[name]
             if value.shape != param.shape:
@@ -275,4 +265,3 @@ class OuterStep:
         self.optimizer.state.clear()
         for param, buffer in buffers.items():
             self.optimizer.state[param]["momentum_buffer"] = buffer
-        self.merger.load_state_dict(merger_state)

@@ -64,7 +64,6 @@ class Worker:
 
 
 class Trainer:
-    _MERGER = "merger."  # prefix of the merger's (DARE generators') keys in a workers checkpoint file
 
     def __init__(self, cfg: TrainConfig, out_dir: Path, dist: Distributed | None = None,
                  progress: bool = True, say: Callable[[str], None] = print):
@@ -219,7 +218,7 @@ class Trainer:
         if self.dist.is_main:
             files["global"] = dict(zip(names, self.global_params))
             if self.diloco:
-                files["outer"] = self.outer.state_dict(include_merger=False)
+                files["outer"] = self.outer.state_dict()
         if self.dist.writes_worker_state:
             worker_tensors: dict[str, torch.Tensor] = {}
             for worker in self.workers:
@@ -227,8 +226,6 @@ class Trainer:
                     tensors, worker_scalars = ckpt.flatten_optimizer_state(state, f"w{worker.index}.opt{j}")
                     worker_tensors.update(tensors)
                     scalars.update(worker_scalars)
-            if self.diloco:
-                worker_tensors.update({self._MERGER + k: v for k, v in self.outer.merger.state_dict().items()})
             files[self._workers_file()] = worker_tensors
         state = {
             "elapsed_s": self.elapsed,
@@ -277,9 +274,6 @@ class Trainer:
             worker.optimizer.move_state(self.storage)
         if self.diloco:
             self.outer.load_state_dict(ckpt.load_tensors(path, "outer", self.device))
-            self.outer.merger.load_state_dict({key.removeprefix(self._MERGER): value
-                                               for key, value in worker_tensors.items()
-                                               if key.startswith(self._MERGER)})
         self.step = state["step"]
         self.elapsed = state["elapsed_s"]
         self.last_val_loss = state["last_val_loss"]
