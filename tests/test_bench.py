@@ -85,3 +85,12 @@ def test_memory_peak_of_a_round_runs_in_a_fresh_process():
     [(growth, params)] = memory.fresh_process_peaks([("tiny", 2, True, 4, 16, DATA)])
     # At least the two workers' pseudo-gradients and AdamW moments (12 bytes per parameter each).
     assert params > 0 and growth >= 2 * memory.WORKER_BYTES_PER_PARAM * params
+
+
+def test_bench_refuses_an_unknown_device_before_running_anything(capsys):
+    from isoloco.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--device", "tpu", "--only", "ortho"])
+    assert stopped.value.code == 2
+    assert "tpu" in capsys.readouterr().err

@@ -15,6 +15,7 @@ import time
 import torch
 
 from isoloco.bench import comm, memory, ortho, outer, throughput
+from isoloco.trainer import resolve_device
 
 TABLES = {
     "ortho": ortho.tables,
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(TABLES),
                         help=f"comma-separated tables to run, from {', '.join(TABLES)} (default: all)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 3; 2 with --quick)")
+    parser.add_argument("--device", default="auto",
+                        help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N: where the tables compute "
+                             "(the communication table always counts bytes on CPU processes)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's); on a shared machine use 1, because "
                              "threads waiting for a busy core make small operations orders of magnitude slower")
@@ -61,11 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for the fresh processes of the memory table
     repeats = args.repeats or (2 if args.quick else 3)
+    try:
+        device = str(resolve_device(args.device))
+    except (ValueError, RuntimeError) as err:  # torch.device rejects a malformed name with a RuntimeError
+        parser.error(str(err))
     command = " ".join(["python -m isoloco.bench", *(sys.argv[1:] if argv is None else argv)])
     print(f"# isoloco benchmarks\n\n`{command}`\n\nMachine: {machine()}.", flush=True)
     for name in names:
         load_before, began = os.getloadavg()[0], time.perf_counter()
-        for table in TABLES[name](args.quick, repeats):
+        for table in TABLES[name](args.quick, repeats, device):
             print("\n" + table.markdown(), flush=True)
         print(f"\n_{name}: load average (1 min) {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; "
               f"{time.perf_counter() - began:.0f} s._", flush=True)

@@ -78,8 +78,8 @@ def model_bytes(preset: str) -> int:
     return 4 * sum(shape.numel() for _, shape in parameter_shapes(preset))
 
 
-def tables(quick: bool, repeats: int) -> Iterator[Table]:
-    del repeats  # byte counts are exact; nothing to repeat
+def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
+    del repeats, device  # byte counts are exact, and the same on every device (gloo processes on the CPU)
     setting = QUICK if quick else FULL
     for preset in setting["presets"]:
         counts, full = bytes_per_round(preset, setting["workers"]), model_bytes(preset)

@@ -61,17 +61,17 @@ def _peak(device: torch.device) -> int:
     return _status_bytes("VmHWM")
 
 
-def round_peak(preset: str, workers: int, offload: bool, global_batch: int, seq_len: int,
+def round_peak(preset: str, workers: int, offload: bool, global_batch: int, seq_len: int, device: str = "cpu",
                overrides: dict | None = None) -> tuple[int, int]:
-    """(peak growth in bytes over one round of a fresh trainer, parameter count).
+    """(peak growth in bytes over one round of a fresh trainer on `device`, parameter count).
 
     Meant to run in a process of its own (`fresh_process_peaks`); `overrides` go to the
     run config.
     """
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
     before = _start_span(device)
     trainer = simulator(preset, METHOD, workers, global_batch, seq_len, inner_steps=1, steps=1,
-                        **{"offload_workers": offload, "micro_batch": 1, "device": device.type,
+                        **{"offload_workers": offload, "micro_batch": 1, "device": str(device),
                            **(overrides or {})})
     trainer._round(0, 1)
     return _peak(device) - before, trainer.num_params
@@ -84,7 +84,7 @@ def fresh_process_peaks(configs: list[tuple]) -> list[tuple[int, int]]:
         return [pool.submit(round_peak, *config).result() for config in configs]
 
 
-def tables(quick: bool, repeats: int) -> Iterator[Table]:
+def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
     del repeats  # a peak is a high-water mark, not a noisy time
     setting = QUICK if quick else FULL
     table = Table(f"Memory: peak growth over one round ({METHOD}), with and without idle-worker offload",
@@ -92,7 +92,7 @@ def tables(quick: bool, repeats: int) -> Iterator[Table]:
                    "growth per added worker ÷ 12·P"])
     batch, seq_len = setting["global_batch"], setting["seq_len"]
     for preset, workers in setting["presets"].items():
-        configs = [(preset, r, offload, batch, seq_len) for r in workers for offload in (False, True)]
+        configs = [(preset, r, offload, batch, seq_len, device) for r in workers for offload in (False, True)]
         peaks = iter(fresh_process_peaks(configs))
         first = None
         for r in workers:

@@ -65,9 +65,9 @@ def isotropy_error(factor: torch.Tensor) -> float:
     return (sigma / sigma.mean() - 1).abs().max().item()
 
 
-def benchmark_shape(rows: int, cols: int, repeats: int) -> list[PathResult]:
-    """Every path on one pseudo-gradient of this shape; the reference comes first."""
-    matrix = pseudo_gradient(rows, cols)
+def benchmark_shape(rows: int, cols: int, repeats: int, device: str = "cpu") -> list[PathResult]:
+    """Every path on one pseudo-gradient of this shape, on `device`; the reference comes first."""
+    matrix = pseudo_gradient(rows, cols).to(device)
     paths = [(label, ortho, dtype, scale) for label, ortho, dtype, scales in [REFERENCE] + FAST_PATHS
              for scale in scales]
     # A warm-up call absorbs one-off costs (oneDNN generates kernels per shape and dtype:
@@ -94,10 +94,11 @@ def benchmark_shape(rows: int, cols: int, repeats: int) -> list[PathResult]:
     return results
 
 
-def tables(quick: bool, repeats: int) -> Iterator[Table]:
+def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
     """A detailed table per preset (every path on every shape), then a summary of the fast
     mode over all of them."""
-    note = (f"Median of {repeats} interleaved repeats per path; × svd < 1 is faster than exact SVD Iso-C. "
+    note = (f"Device {device}; median of {repeats} interleaved repeats per path; × svd < 1 is faster than exact "
+            "SVD Iso-C. "
             "The test matrix is a rank-16 signal (singular values 50 … 5) plus dense noise.")
     summary = Table("Orthogonalisation: the fast mode (Newton–Schulz bf16, RMS scale) against exact SVD",
                     ["preset", "shape", "NS bf16 rms × svd", "error", "PolarExp bf16 inner × svd", "error",
@@ -106,7 +107,7 @@ def tables(quick: bool, repeats: int) -> Iterator[Table]:
         detail = Table(f"Orthogonalisation on `{preset}`: every Iso-C path against exact SVD",
                        ["shape", "path", "scale", "× svd", "error", "isotropy", "scale/exact"], notes=[note])
         for rows, cols in shapes:
-            results = {(r.path, r.scale): r for r in benchmark_shape(rows, cols, repeats)}
+            results = {(r.path, r.scale): r for r in benchmark_shape(rows, cols, repeats, device)}
             for r in results.values():
                 detail.add(f"{rows}×{cols}", r.path, r.scale, ratio(r.time_ratio), f"{r.error:.2e}",
                            f"{r.isotropy:.2e}", f"{r.scale_ratio:.4f}")

@@ -43,19 +43,20 @@ QUICK = OuterSetting(("tiny",), (1, 4, 16), block_steps=2)
 
 
 def outer_fractions(preset: str, workers: int, setting: OuterSetting, methods: tuple[str, ...], repeats: int,
-                    **overrides) -> dict[str, float]:
+                    device: str = "auto", **overrides) -> dict[str, float]:
     """Each method's outer step as a fraction of a round at R = `workers` (both timed in
-    the same interleaved repeats). `overrides` go to the run config."""
+    the same interleaved repeats), on `device`. `overrides` go to the run config."""
     block = setting.block_steps
     trainer = simulator(preset, "diloco", 1, setting.global_batch // workers, setting.seq_len,
-                        setting.inner_steps, steps=block * (repeats + 1), **{"device": "cpu", **overrides})
+                        setting.inner_steps, steps=block * (repeats + 1), **{"device": device, **overrides})
     worker, starts = trainer.workers[0], itertools.count(0, block)
 
     def worker_block() -> None:
         start = next(starts)
         trainer._run_worker(worker, start, start + block)
 
-    deltas = worker_deltas([(name, param.shape) for name, param in trainer.named_params], workers)
+    deltas = {name: [d.to(trainer.device) for d in ds]
+              for name, ds in worker_deltas([(n, p.shape) for n, p in trainer.named_params], workers).items()}
     cases = {"block": worker_block}
     for method in methods:
         merge, outer = method_sections(method)
@@ -67,12 +68,12 @@ def outer_fractions(preset: str, workers: int, setting: OuterSetting, methods: t
     return {method: timings[method].median / round_seconds for method in methods}
 
 
-def tables(quick: bool, repeats: int, methods: tuple[str, ...] = RULE_METHODS) -> Iterator[Table]:
+def tables(quick: bool, repeats: int, device: str, methods: tuple[str, ...] = RULE_METHODS) -> Iterator[Table]:
     setting = QUICK if quick else FULL
     for preset in setting.presets:
         table = Table(f"Outer step cost on `{preset}`: one outer step as a fraction of a round",
                       ["method (rule)"] + [f"R={r}" for r in setting.workers])
-        fractions = {r: outer_fractions(preset, r, setting, methods, repeats) for r in setting.workers}
+        fractions = {r: outer_fractions(preset, r, setting, methods, repeats, device) for r in setting.workers}
         for method in methods:
             table.add(f"{method} ({method_sections(method)[0].rule})", *(percent(fractions[r][method]) for r in setting.workers))
         table.notes.append(
@@ -80,9 +81,9 @@ def tables(quick: bool, repeats: int, methods: tuple[str, ...] = RULE_METHODS) -
             f"{setting.global_batch} × {setting.seq_len} tokens (each worker takes {setting.global_batch}/R), timed as "
             f"blocks of {setting.block_steps} steps of one worker × R·H/{setting.block_steps}; the outer step: "
             f"`OuterStep.step` on R pseudo-gradients. Median of {repeats} interleaved repeats per R (the "
-            "R values run one after another, so compare within a column). TSV keeps ⌊rank/R⌋ components per "
-            "worker and Iso-CTS ⌊(rank − ⌊0.8·rank⌋)/R⌋; where that is 0 they take the mean (TSV) or only the "
-            "common subspace (Iso-CTS).")
+            "R values run one after another, so compare within a column); device {device}. TSV keeps "
+            "max(1, ⌊rank/R⌋) components per worker and Iso-CTS round((rank − ⌊0.8·rank⌋)/R); where that is 0 "
+            "Iso-CTS keeps only the common subspace.")
         if AIM_METHOD in methods and AIM_WORKERS in setting.workers:
             value = fractions[AIM_WORKERS][AIM_METHOD]
             verdict = "holds" if value <= AIM_FRACTION else "does **not** hold"

@@ -50,7 +50,8 @@ def plain_loop(trainer: Trainer, micro_batch: int) -> Callable[[int, int], None]
     def train(start: int, end: int) -> None:
         for step in range(start, end):
             batch = trainer.batches.rows(step, 0, micro_batch).to(device)
-            logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+            with trainer.autocast:  # bf16 on CUDA, as the simulator computes
+                logits = model(input_ids=batch[:, :-1], use_cache=False).logits
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
@@ -60,12 +61,12 @@ def plain_loop(trainer: Trainer, micro_batch: int) -> Callable[[int, int], None]
     return train
 
 
-def throughput_ratio(case: ThroughputCase, repeats: int, **overrides) -> float:
+def throughput_ratio(case: ThroughputCase, repeats: int, device: str = "auto", **overrides) -> float:
     """Tokens/s of the simulator ÷ tokens/s of the plain loop on the same tokens (the ratio
-    of their median times, inverted). `overrides` go to the run config."""
+    of their median times, inverted), on `device`. `overrides` go to the run config."""
     h, r = case.inner_steps, case.workers
     trainer = simulator(case.preset, case.method, r, case.global_batch, case.seq_len, h, steps=h * (repeats + 1),
-                        **{"device": "cpu", **overrides})
+                        **{"device": device, **overrides})
     train = plain_loop(trainer, case.global_batch // r)
     round_starts, plain_starts = itertools.count(0, h), itertools.count(0, h * r)
 
@@ -81,14 +82,14 @@ def throughput_ratio(case: ThroughputCase, repeats: int, **overrides) -> float:
     return timings["plain"].median / timings["simulator"].median
 
 
-def tables(quick: bool, repeats: int) -> Iterator[Table]:
+def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
     table = Table("Simulator throughput: DiLoCo with R workers ÷ a plain PyTorch loop",
                   ["preset", "R", "global batch × seq len", "H", "micro-batch", "throughput ratio", f"≥ {AIM}"])
     for case in QUICK if quick else FULL:
-        value = throughput_ratio(case, repeats)
+        value = throughput_ratio(case, repeats, device)
         table.add(case.preset, case.workers, f"{case.global_batch} × {case.seq_len}", case.inner_steps,
                   case.global_batch // case.workers, ratio(value), "yes" if value >= AIM else "**no**")
-    table.notes.append(f"Method {QUICK[0].method} (mean merge, Nesterov outer step), device CPU; median of "
+    table.notes.append(f"Method {QUICK[0].method} (mean merge, Nesterov outer step), device {device}; median of "
                        f"{repeats} interleaved repeats, each one simulator round and R·H plain steps on the "
                        "same tokens. The aim (≥ 0.95) is for R = 8.")
     yield table

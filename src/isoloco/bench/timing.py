@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping
 
+import torch
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -28,7 +30,8 @@ def interleaved(cases: Mapping[Hashable, Callable[[], Any]], repeats: int, warmu
     `warmup` untimed rounds.
 
     The warm-up absorbs first-call costs (allocations, kernel selection, lazy optimizer
-    state) that a steady-state figure should not include.
+    state) that a steady-state figure should not include. CUDA work is asynchronous, so the
+    device is synchronised before the clock starts and before it stops.
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats} is not allowed: it must be >= 1")
@@ -40,7 +43,15 @@ def interleaved(cases: Mapping[Hashable, Callable[[], Any]], repeats: int, warmu
     for repeat in range(repeats):
         order = list(cases.items())
         for name, fn in order if repeat % 2 == 0 else reversed(order):
+            synchronize()
             began = time.perf_counter()
             results[name] = fn()
+            synchronize()
             samples[name].append(time.perf_counter() - began)
     return {name: Timing(statistics.median(samples[name]), results[name]) for name in cases}
+
+
+def synchronize() -> None:
+    """Wait for queued CUDA work (nothing to wait for on a CPU-only run)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
