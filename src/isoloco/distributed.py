@@ -235,6 +235,28 @@ class TorchCommunicator(Communicator):
         return results
 
 
+#: Gradients at least this large are all-reduced in place; smaller ones share buckets of it.
+GRADIENT_BUCKET_BYTES = 25 * 2**20
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of same-dtype tensors of at most `limit` bytes; a larger tensor is a
+    bucket of its own."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        last = buckets[-1] if buckets else None
+        if last is None or nbytes >= limit or size + nbytes > limit or last[0].dtype != tensor.dtype \
+                or last[0].numel() * last[0].element_size() >= limit:
+            buckets.append([tensor])
+            size = nbytes
+        else:
+            last.append(tensor)
+            size += nbytes
+    return buckets
+
+
 # ------------------------------------------------------------------------ process group
 
 
@@ -248,6 +270,26 @@ def backend_for(cfg: TrainConfig) -> str:
 def launched_world_size() -> int:
     """The number of processes torchrun started (1 for a plain `isoloco train`)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def process_gpu(device: str, world_size: int) -> torch.device:
+    """The GPU of this process in a multi-process CUDA run: cuda:LOCAL_RANK.
+
+    Checked before anything touches CUDA, so a misfit is one clear line instead of CUDA's
+    "invalid device ordinal": an explicit `cuda:N` would put every process on one GPU, and a
+    LOCAL_RANK beyond the visible GPUs has none.
+    """
+    if device.startswith("cuda:") and world_size > 1:
+        raise ConfigError(
+            f"device={device} names one GPU, but this run has {world_size} processes: use device=cuda (or auto), "
+            f"and each process takes the GPU of its LOCAL_RANK; choose GPUs with CUDA_VISIBLE_DEVICES")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:
+        raise ConfigError(
+            f"process LOCAL_RANK={local_rank} has no GPU of its own ({visible} visible): launch at most one process "
+            f"per GPU (isoloco launch --nproc N), or train on device=cpu")
+    return torch.device("cuda", local_rank)
 
 
 @contextmanager
@@ -268,8 +310,12 @@ def process_group(cfg: TrainConfig) -> Iterator[None]:
     backend = backend_for(cfg)
     device = None
     if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = process_gpu(cfg.device, world_size)
         torch.cuda.set_device(device)
+        # NCCL reports a failed collective from its own watchdog thread; CleanUpOnly (2) aborts
+        # the communicators and makes the waiting call raise, so a lost peer ends here as on
+        # gloo (CollectiveError, then PeerLostError naming it) instead of tearing the process down.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     with collective(f"joining the {world_size} processes at {os.environ.get('MASTER_ADDR')}:"
                     f"{os.environ.get('MASTER_PORT')}"):
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s), device_id=device)
@@ -351,13 +397,8 @@ class Distributed:
 
     def place(self, device: torch.device) -> torch.device:
         """With several processes, `cuda` means this process's GPU (LOCAL_RANK)."""
-        if device.type == "cuda" and device.index is None and self.world_size > 1:
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            if local_rank >= torch.cuda.device_count():
-                raise ConfigError(
-                    f"process LOCAL_RANK={local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): "
-                    f"launch at most one process per GPU (isoloco launch --nproc N), or train on device=cpu")
-            device = torch.device("cuda", local_rank)
+        if device.type == "cuda" and self.world_size > 1:
+            device = process_gpu(str(device), self.world_size)
             torch.cuda.set_device(device)
         return device
 
@@ -367,17 +408,24 @@ class Distributed:
         return rows[self.layout.island_rank * share:(self.layout.island_rank + 1) * share]
 
     def average_gradients(self, params: list[torch.Tensor]) -> None:
-        """Average `.grad` over the island (one flat all-reduce), as if one process had
-        computed the gradient of the whole batch."""
+        """Average `.grad` over the island, as if one process had computed the gradient of the
+        whole batch. Gradients of at least `GRADIENT_BUCKET_BYTES` are reduced in place; smaller
+        ones are packed into buckets of that size (one collective for many norm gains), so the
+        extra memory is one bucket, not a copy of every gradient."""
         if self._island is None:
             return
         grads = [p.grad for p in params]
-        flat = _flatten_dense_tensors(grads)
         with collective("gradient all-reduce"):
-            dist.all_reduce(flat, group=self._island)
-        flat.div_(self.layout.group_size)
-        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(averaged)
+            pending = []
+            for bucket in _buckets(grads, GRADIENT_BUCKET_BYTES):
+                flat = bucket[0] if len(bucket) == 1 else _flatten_dense_tensors(bucket)
+                pending.append((bucket, flat, dist.all_reduce(flat, group=self._island, async_op=True)))
+            for bucket, flat, work in pending:
+                work.wait()
+                flat.div_(self.layout.group_size)
+                if len(bucket) > 1:
+                    for grad, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                        grad.copy_(averaged)
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over all processes (metrics and evaluation; not merge traffic)."""
