@@ -13,7 +13,7 @@ from isoloco.report import load_runs, write_report
 TOKENS = 6 * 8 * 32  # steps x global_batch x seq_len of the runs below
 
 
-def _fake_run(root: Path, name: str, loss: float | None, finished: bool = True, **keys) -> None:
+def _fake_run(root: Path, name: str, loss: float | None, finished: bool = True, processes: int = 1, **keys) -> None:
     """A run directory as `isoloco train` leaves it, without training (losses are made up)."""
     cfg = resolve(None, {"model": "tiny", "steps": 6, "global_batch": 8, "seq_len": 32, **keys})
     run = root / name
@@ -24,7 +24,8 @@ def _fake_run(root: Path, name: str, loss: float | None, finished: bool = True, 
         json.dumps({"step": s, "tokens": s * 256, "train_loss": 9.0, **({"val_loss": v} if s in (3, 6) else {})}) + "\n"
         for s in range(1, 7) for v in [dict(curve).get(s)]))
     if finished:
-        (run / "summary.json").write_text(json.dumps({"final_val_loss": loss, "wall_time_s": 12.5, "tokens": TOKENS}))
+        (run / "summary.json").write_text(json.dumps({"final_val_loss": loss, "wall_time_s": 12.5, "tokens": TOKENS,
+                                                      "processes": processes}))
 
 
 def _grid(root: Path) -> None:
@@ -107,3 +108,25 @@ def test_plots_have_titles_and_each_token_budget_its_own_colour(tmp_path):
         assert len(budgets) == 2 and len({c.lines[0].get_color() for c in budgets}) == 2
     curves = [line for ax in _curves(runs).axes for line in ax.get_lines() if line.get_linestyle() == "-"]
     assert len({line.get_color() for line in curves}) == 2
+
+
+def test_runs_that_differ_in_more_than_the_seed_are_separate_points(tmp_path):
+    """A knob (outer lr) or the number of processes makes its own row and series; execution-only
+    keys (micro_batch) do not."""
+    _fake_run(tmp_path, "dp-s0", 4.0, method="dp", workers=1)
+    _fake_run(tmp_path, "dp-s1", 5.0, method="dp", workers=1, seed=1)
+    for seed in (0, 1):
+        base = 4.0 + seed
+        _fake_run(tmp_path, f"a-s{seed}", base + 0.2, method="diloco", workers=2, inner_steps=3, seed=seed)
+        _fake_run(tmp_path, f"b-s{seed}", base + 0.4, method="diloco", workers=2, inner_steps=3, seed=seed,
+                  processes=2, micro_batch=2)
+        _fake_run(tmp_path, f"c-s{seed}", base + 0.8, method="diloco", workers=2, inner_steps=3, seed=seed,
+                  **{"outer.lr": 0.4})
+    write_report(tmp_path)
+    summary = {r["variant"]: r for r in csv.DictReader((tmp_path / "summary.csv").open()) if r["method"] == "diloco"}
+    assert set(summary) == {"outer.lr=0.7 processes=1", "outer.lr=0.7 processes=2", "outer.lr=0.4 processes=1"}
+    assert all(row["seeds"] == "2" for row in summary.values())
+    assert float(summary["outer.lr=0.4 processes=1"]["gap_to_dp_pct_mean"]) == (20.0 + 16.0) / 2
+    md = (tmp_path / "results.md").read_text()
+    assert "| diloco | 2 | 3 | outer.lr=0.7 processes=2 | 2 |" in md
+    assert "| dp | — | — | — | 2 |" in md  # dp has no variant

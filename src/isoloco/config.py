@@ -174,6 +174,13 @@ def list_keys(cls: type = TrainConfig, prefix: str = "") -> list[Key]:
     return keys
 
 
+#: Keys that change how a run executes, not what it computes: a finished run is the same run
+#: whatever they were (a sweep may split a grid over machines with other values), and a report
+#: does not tell runs apart by them.
+EXECUTION_KEYS = frozenset({"device", "offload_workers", "micro_batch", "eval_batch", "checkpoint_every",
+                            "keep_checkpoints", "log.tensorboard", "log.wandb", "log.wandb_project",
+                            "dist.gpus_per_worker", "dist.backend", "dist.timeout_s"})
+
 #: `data=X` is short for `data.source=X`, the one data key people set most; `gpus_per_worker=G`
 #: for `dist.gpus_per_worker=G`, the layout key of the distributed engine.
 ALIASES = {"data": "data.source", "gpus_per_worker": "dist.gpus_per_worker"}

@@ -3,9 +3,11 @@
 The paper's headline is each method's validation-loss gap to data-parallel training,
 (loss − loss_DP) / loss_DP in percent, against the number of workers R. This module reads
 every run directory directly under DIR (`config.yaml`, `summary.json`, `metrics.jsonl`),
-pairs each run with the `dp` run of the same model, token budget and seed, and writes:
+pairs each run with the `dp` run of the same model, token budget and seed, groups the runs
+that differ only in their seed (whatever else differs between runs of one method — a knob,
+the number of processes — makes a point of its own, its *variant*), and writes:
 
-* `results.csv`: one row per run; `summary.csv`: mean and sample std over seeds;
+* `results.csv`: one row per run; `summary.csv`: mean and sample std over seeds, per point;
 * `results.md`: both tables in Markdown, with the plots linked;
 * `plots/`: validation loss and gap to DP against R (log2 axis) — and against H when the
   directory holds several H — and the validation-loss curves of every run, one panel per R.
@@ -28,7 +30,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from isoloco.config import from_dict
+from isoloco.config import EXECUTION_KEYS, flatten, from_dict
 from isoloco.configbase import ConfigError
 from isoloco.methods import METHODS
 
@@ -62,6 +64,8 @@ class RunResult:
     final_val_loss: float | None  # None until the run has finished (summary.json)
     wall_time_s: float | None
     curve: tuple[tuple[int, float], ...]  # (tokens, validation loss) at each evaluation
+    settings: tuple[tuple[str, Any], ...] = ()  # what the run computes: config keys and processes
+    variant: str = ""  # the settings that set it apart from other runs of its method, `key=value ...`
     gap_pct: float | None = None
 
     @property
@@ -79,8 +83,8 @@ def _method_rank(method: str) -> tuple[int, str]:
 
 
 def _sort_key(run: RunResult) -> tuple:
-    return (_method_rank(run.method), run.workers or 0, run.inner_steps or 0, run.model, run.tokens, run.seed,
-            run.name)
+    return (_method_rank(run.method), run.workers or 0, run.inner_steps or 0, run.model, run.tokens, run.variant,
+            run.seed, run.name)
 
 
 def _read_curve(path: Path) -> tuple[tuple[int, float], ...]:
@@ -102,23 +106,52 @@ def load_run(run_dir: Path) -> RunResult:
     cfg = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
     summary = json.loads((run_dir / SUMMARY_FILE).read_text()) if (run_dir / SUMMARY_FILE).is_file() else {}
     dp = cfg["algorithm"] == "dp"
+    # Everything that changes what the run computes, but the seed and the axes of the tables.
+    settings = {k: tuple(v) if isinstance(v, list) else v for k, v in flatten(cfg).items()
+                if k not in EXECUTION_KEYS and k not in ("seed", "method", "workers", "inner_steps")}
+    settings["processes"] = summary.get("processes", 1)
     return RunResult(
         name=run_dir.name, method=cfg["method"], workers=None if dp else cfg["workers"],
         inner_steps=None if dp else cfg["inner_steps"], seed=cfg["seed"], model=cfg["model"],
         tokens=from_dict(cfg).train_steps * cfg["global_batch"] * cfg["seq_len"], final_val_loss=summary.get("final_val_loss"),
-        wall_time_s=summary.get("wall_time_s"), curve=_read_curve(run_dir / METRICS_FILE))
+        wall_time_s=summary.get("wall_time_s"), curve=_read_curve(run_dir / METRICS_FILE),
+        settings=tuple(sorted(settings.items())))
 
 
 def load_runs(directory: Path) -> list[RunResult]:
     """Every run directly under `directory`, sorted, each with its gap to the matching dp run."""
     if not directory.is_dir():
         raise ReportError(f"{directory} is not a directory: give the folder a sweep wrote its runs to")
-    runs = sorted((load_run(p) for p in directory.iterdir() if (p / CONFIG_FILE).is_file()), key=_sort_key)
+    runs = [load_run(p) for p in directory.iterdir() if (p / CONFIG_FILE).is_file()]
     if not runs:
         raise ReportError(f"{directory} holds no run directories (folders with {CONFIG_FILE}); give the --out "
                           "folder of `isoloco sweep` or a folder of `isoloco train` runs")
-    reference = {(r.budget, r.seed): r.final_val_loss for r in runs if r.is_dp and r.final_val_loss is not None}
+    runs = sorted(_with_variants(runs), key=_sort_key)
+    # The reference of a run: the dp run of its budget and seed (the one without a variant if several).
+    reference: dict[tuple, float] = {}
+    for r in sorted((r for r in runs if r.is_dp and r.final_val_loss is not None), key=lambda r: r.variant == ""):
+        reference[r.budget, r.seed] = r.final_val_loss
     return [replace(r, gap_pct=_gap(r.final_val_loss, reference.get((r.budget, r.seed)))) for r in runs]
+
+
+def _with_variants(runs: list[RunResult]) -> list[RunResult]:
+    """Each run with its variant: the settings whose values differ between the runs of its method."""
+    by_method: dict[str, list[RunResult]] = {}
+    for run in runs:
+        by_method.setdefault(run.method, []).append(run)
+    labelled = []
+    for members in by_method.values():
+        values: dict[str, set] = {}
+        for run in members:
+            for key, value in run.settings:
+                values.setdefault(key, set()).add(value)
+        for run in members:  # a key a run lacks (an older config) counts as differing too
+            values.update({key: values[key] | {None} for key in values if key not in dict(run.settings)})
+        varying = sorted(key for key, seen in values.items() if len(seen) > 1)
+        for run in members:
+            own = dict(run.settings)
+            labelled.append(replace(run, variant=" ".join(f"{key}={own.get(key)}" for key in varying)))
+    return labelled
 
 
 def _gap(loss: float | None, dp_loss: float | None) -> float | None:
@@ -131,7 +164,7 @@ def _gap(loss: float | None, dp_loss: float | None) -> float | None:
 
 @dataclass(frozen=True)
 class Group:
-    """The runs of one (method, R, H, budget) over seeds."""
+    """The runs of one (method, R, H, budget, variant) over seeds."""
 
     runs: tuple[RunResult, ...]
 
@@ -146,7 +179,7 @@ class Group:
 def group_runs(runs: list[RunResult]) -> list[Group]:
     groups: dict[tuple, list[RunResult]] = {}
     for run in runs:  # already sorted, and seed is the last key but the name: groups stay in order
-        groups.setdefault((run.method, run.workers, run.inner_steps, run.budget), []).append(run)
+        groups.setdefault((run.method, run.workers, run.inner_steps, run.budget, run.variant), []).append(run)
     return [Group(tuple(members)) for members in groups.values()]
 
 
@@ -178,9 +211,10 @@ def _csv(header: list[str], rows: Iterable[list[str]]) -> str:
 
 def results_csv(runs: list[RunResult]) -> str:
     return _csv(
-        ["run", "method", "R", "H", "seed", "model", "tokens", "final_val_loss", "gap_to_dp_pct", "wall_time_s",
-         "status"],
-        ([r.name, r.method, _fmt(r.workers, "d"), _fmt(r.inner_steps, "d"), str(r.seed), r.model, str(r.tokens),
+        ["run", "method", "R", "H", "variant", "seed", "model", "tokens", "final_val_loss", "gap_to_dp_pct",
+         "wall_time_s", "status"],
+        ([r.name, r.method, _fmt(r.workers, "d"), _fmt(r.inner_steps, "d"), r.variant, str(r.seed), r.model,
+          str(r.tokens),
           _fmt(r.final_val_loss, ".6f"), _fmt(r.gap_pct, ".4f"), _fmt(r.wall_time_s, ".1f"),
           "finished" if r.final_val_loss is not None else "incomplete"] for r in runs))
 
@@ -191,10 +225,10 @@ def summary_csv(groups: list[Group]) -> str:
         loss, loss_std = _mean_std(g.values("final_val_loss"))
         gap, gap_std = _mean_std(g.values("gap_pct"))
         wall, _ = _mean_std(g.values("wall_time_s"))
-        rows.append([g.first.method, _fmt(g.first.workers, "d"), _fmt(g.first.inner_steps, "d"), g.first.model,
-                     str(g.first.tokens), str(len(g.values("final_val_loss"))), _fmt(loss, ".6f"),
+        rows.append([g.first.method, _fmt(g.first.workers, "d"), _fmt(g.first.inner_steps, "d"), g.first.variant,
+                     g.first.model, str(g.first.tokens), str(len(g.values("final_val_loss"))), _fmt(loss, ".6f"),
                      _fmt(loss_std, ".6f"), _fmt(gap, ".4f"), _fmt(gap_std, ".4f"), _fmt(wall, ".1f")])
-    return _csv(["method", "R", "H", "model", "tokens", "seeds", "final_val_loss_mean", "final_val_loss_std",
+    return _csv(["method", "R", "H", "variant", "model", "tokens", "seeds", "final_val_loss_mean", "final_val_loss_std",
                  "gap_to_dp_pct_mean", "gap_to_dp_pct_std", "wall_time_s_mean"], rows)
 
 
@@ -222,18 +256,23 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                       f"methods {', '.join(manifest['methods'])}; R {', '.join(map(str, manifest['workers']))}; "
                       f"H {', '.join(map(str, manifest['inner_steps']))}; "
                       f"seeds {', '.join(map(str, manifest['seeds']))}."]
+    # A variant column only where runs of one method differ in more than seed, R and H.
+    variant = (lambda r: [r.variant or "—"]) if any(r.variant for r in runs) else (lambda r: [])
+    variant_header = ["variant"] if any(r.variant for r in runs) else []
     parts += ["", "Gap to DP = (loss − loss_DP) / loss_DP × 100, against the dp run of the same model, token "
-                  "budget and seed (dp does not depend on R or H). Mean ± sample standard deviation over seeds.",
+                  "budget and seed (dp does not depend on R or H). Mean ± sample standard deviation over seeds; "
+                  "runs of a method that differ in anything but the seed (their variant) are separate rows.",
               "", "## By method, R and H", "",
-              _md_table(["method", "R", "H", "seeds", "final val loss", "gap to DP (%)", "tokens", "wall time (s)"],
-                        [[g.first.method, _dash(g.first.workers), _dash(g.first.inner_steps),
+              _md_table(["method", "R", "H", *variant_header, "seeds", "final val loss", "gap to DP (%)", "tokens",
+                         "wall time (s)"],
+                        [[g.first.method, _dash(g.first.workers), _dash(g.first.inner_steps), *variant(g.first),
                           str(len(g.values("final_val_loss"))), _pm(g.values("final_val_loss"), ".4f"),
                           _pm(g.values("gap_pct"), "+.2f"), f"{g.first.tokens:,}", _pm(g.values("wall_time_s"), ".0f")]
                          for g in groups]),
               "", "## Every run", "",
-              _md_table(["run", "method", "R", "H", "seed", "final val loss", "gap to DP (%)", "tokens",
-                         "wall time (s)"],
-                        [[r.name, r.method, _dash(r.workers), _dash(r.inner_steps), str(r.seed),
+              _md_table(["run", "method", "R", "H", *variant_header, "seed", "final val loss", "gap to DP (%)",
+                         "tokens", "wall time (s)"],
+                        [[r.name, r.method, _dash(r.workers), _dash(r.inner_steps), *variant(r), str(r.seed),
                           _fmt(r.final_val_loss, ".4f") or "incomplete", _fmt(r.gap_pct, "+.2f") or "—",
                           f"{r.tokens:,}", _fmt(r.wall_time_s, ".0f") or "—"] for r in runs])]
     if plots:
@@ -265,7 +304,8 @@ def _log2_axis(ax: Any, values: list[int], title: str) -> None:
 
 def _series_label(run: RunResult, varying: list[str]) -> str:
     short = {"workers": "R", "inner_steps": "H", "tokens": "tokens"}
-    return run.method + "".join(f" {short[d]}={getattr(run, d)}" for d in varying)
+    variant = f" {run.variant}" if run.variant else ""
+    return run.method + variant + "".join(f" {short[d]}={getattr(run, d)}" for d in varying)
 
 
 def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:

@@ -38,7 +38,7 @@ from typing import Any
 import yaml
 
 from isoloco import report
-from isoloco.config import flatten, from_dict, load_preset, parse_overrides, resolve, to_dict
+from isoloco.config import EXECUTION_KEYS, flatten, from_dict, load_preset, parse_overrides, resolve, to_dict
 from isoloco.configbase import ConfigError
 from isoloco.methods import METHODS
 from isoloco.report import CONFIG_FILE, MANIFEST_FILE, SUMMARY_FILE
@@ -153,9 +153,6 @@ def plan_runs(preset: str | None, raw_overrides: list[str], grid: Grid) -> list[
 #: Keys that say how a run executes, not what it computes: a finished run is still this grid
 #: point when they differ (e.g. the large-R part of a sweep rerun with offload_workers=true, or
 #: a point trained by hand on several processes with `isoloco launch` into OUT/NAME).
-EXECUTION_KEYS = frozenset({"device", "offload_workers", "micro_batch", "eval_batch", "checkpoint_every",
-                            "keep_checkpoints", "log.tensorboard", "log.wandb", "log.wandb_project",
-                            "dist.gpus_per_worker", "dist.backend", "dist.timeout_s"})
 
 
 def config_changes(run_dir: Path, config: dict[str, Any]) -> str:
