@@ -9,9 +9,13 @@ TORCH ?= torch==2.13.0
 
 install: $(VENV)/.installed
 
+# pip runs quietly; these lines say what the minute of silence is.
 $(VENV)/.installed: pyproject.toml
+	@echo "creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "installing PyTorch ($(TORCH), the CPU build; the largest download, so the longest step)"
 	$(BIN)/pip install --quiet "$(TORCH)"
+	@echo "installing isoloco and its dependencies (transformers, tokenizers, the embedded corpus, test tools)"
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 

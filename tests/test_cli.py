@@ -1,9 +1,16 @@
 """The command line: help lists every key; user errors exit 2 with one line, before any work."""
 
-import pytest
+import json
+import sys
 
-from isoloco.cli import main
-from isoloco.config import list_keys, resolve
+import numpy as np
+import pytest
+import yaml
+
+from isoloco import __version__
+from isoloco.cli import build_parser, main
+from isoloco.config import DEFAULT_PRESET, list_keys, resolve, to_dict
+from isoloco.data import check_run_data
 from isoloco.configbase import ConfigError
 
 REQUIRED_KEYS = ["method", "workers", "inner_steps", "global_batch", "seq_len", "steps", "seed", "model",
@@ -13,9 +20,7 @@ REQUIRED_KEYS = ["method", "workers", "inner_steps", "global_batch", "seq_len", 
 def test_required_keys_exist_and_help_lists_every_key(capsys):
     names = {k.name for k in list_keys()}
     assert set(REQUIRED_KEYS) <= names
-    with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--help"])
-    assert exit_info.value.code == 0
+    assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     for key in list_keys():
         assert f"  {key.name} = " in out
@@ -75,3 +80,123 @@ def test_resume_refuses_overrides(tmp_path, capsys):
 def test_type_errors_name_the_key():
     with pytest.raises(ConfigError, match="workers=2.5"):
         resolve(None, {"workers": 2.5})
+
+
+# -- the first hour of a new user (issue 10) ---------------------------------------------------
+
+TINY_RUN = ["model=tiny", "seq_len=32", "global_batch=8", "steps=4", "inner_steps=2", "workers=2", "eval_every=4",
+            "data.vocab_size=512", "data.val_tokens=256", "device=cpu"]
+
+
+def _dry_run(capsys, *args: str) -> dict:
+    assert main(["train", *args, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    return yaml.safe_load(out)
+
+
+def test_overrides_on_a_bare_command_apply_on_top_of_the_quick_preset(tmp_path, capsys):
+    cfg = _dry_run(capsys, "seed=1", "--out", str(tmp_path / "run"))
+    assert (cfg["seed"], cfg["steps"], cfg["inner"]["lr"]) == (1, resolve(DEFAULT_PRESET, {}).steps, 0.016)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("method, outer_lr", [("isoloco", 1.2), ("isoloco_fast", 1.2), ("diloco", 0.7)])
+def test_quick_preset_uses_learning_rates_tuned_for_the_tiny_model(method, outer_lr):
+    cfg = resolve("quick", {"method": method})
+    assert (cfg.model, cfg.inner.lr, cfg.outer.lr) == ("tiny", 0.016, outer_lr)
+
+
+def test_help_shows_the_values_of_the_preset_and_method(capsys):
+    assert main(["train", "quick", "method=diloco", "--help"]) == 0
+    out = capsys.readouterr().out
+    for line in ("  method = 'diloco'", "  merge.rule = 'mean'", "  outer.lr = 0.7", "  inner.lr = 0.016"):
+        assert line in out
+    assert "178M" in out and "tiny model" in out
+
+
+def test_dry_run_prints_the_resolved_config_and_writes_nothing(tmp_path, capsys):
+    cfg = _dry_run(capsys, "quick", "method=diloco", "--out", str(tmp_path / "run"))
+    assert cfg == to_dict(resolve("quick", {"method": "diloco"}))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["quick", "--quiet", "workers=8"],
+    ["--out", "OUT", "quick", "workers=8"],
+    ["quick", "--out", "OUT", "workers=8", "--quiet"],
+])
+def test_overrides_are_accepted_anywhere_on_the_line(tmp_path, capsys, args):
+    args = [str(tmp_path / "run") if a == "OUT" else a for a in args]
+    assert _dry_run(capsys, *args)["workers"] == 8
+
+
+@pytest.mark.parametrize("key", ["tensorboard", "wandb"])
+def test_a_logger_without_its_extra_is_refused_before_any_work(tmp_path, capsys, monkeypatch, key):
+    monkeypatch.setitem(sys.modules, key, None)  # as if the extra were not installed
+    out = tmp_path / "run"
+    assert main(["train", *TINY_RUN, f"log.{key}=true", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"log.{key}=true needs the {key} package" in err[0] and f"isoloco[{key}]" in err[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["worker=8"], "unknown key 'worker' (did you mean workers?)"),
+    (["inner.lrr=0.1"], "unknown key 'inner.lrr' (did you mean inner.lr?)"),
+    (["--resume", "/does-not-exist"], "--resume /does-not-exist: no such directory"),
+    (["--resume", "RUN", "--out", "RUN"], "both name the run directory"),
+])
+def test_more_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
+    args = [str(tmp_path) if a == "RUN" else a for a in args]
+    assert main(["train", *args, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and needle in err and len(err.splitlines()) == 1
+
+
+def test_top_level_help_lists_every_command_and_version_is_shown(capsys):
+    parser = build_parser()
+    text = parser.format_help()
+    for command in ("train", "launch", "sweep", "report", "data", "export"):
+        assert f"    {command} " in text and command in text.splitlines()[2]  # listed, and in the description
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"isoloco {__version__}"
+
+
+def test_banner_names_the_recipe_and_timing_is_on_the_round_lines(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", *TINY_RUN, "method=diloco", "--out", str(run)]) == 0
+    banner = capsys.readouterr().out.splitlines()[0]
+    assert banner.startswith("diloco (merge mean, outer nesterov lr 0.7, inner adamw lr 0.016): model tiny")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [("wall_time_s" in r, "tokens_per_s" in r) for r in records] == [(r["step"] % 2 == 0,) * 2
+                                                                           for r in records]
+
+
+def test_launch_refuses_a_resume_with_another_layout_before_starting_processes(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", *TINY_RUN, "--out", str(run), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["launch", "--nproc", "2", "--", "train", "--resume", str(run), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: checkpoint ") and "'processes': 1" in err and "'processes': 2" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_every_data_problem_is_reported_at_once(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Verse {i}: and the light was good, number {i}." for i in range(200)))
+    out = tmp_path / "run"
+    assert main(["train", f"data={corpus}", *TINY_RUN, "steps=400", "data.val_tokens=100000", "data.vocab_size=300",
+                 "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") for line in err)
+    assert "400 steps x global_batch 8" in err[0] and "data.allow_repeat=true" in err[0]
+    assert "the validation split has" in err[1] and "val_tokens=100000" in err[1]
+    assert not out.exists()
+
+
+def test_a_repeated_corpus_is_a_plain_warning_line():
+    train, val = np.arange(50, dtype=np.uint16), np.arange(100, dtype=np.uint16)
+    notice = check_run_data(train, val, seq_len=4, global_batch=5, steps=20, val_tokens=8, allow_repeat=True)
+    assert notice.startswith("20 steps x global_batch 5") and "repeating the data" in notice

@@ -1,6 +1,7 @@
 """Batches: stateless, deterministic, worker shares add up to the global batch; budget and validation."""
 
 import math
+import re
 import os
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from isoloco.configbase import ConfigError  # noqa: E402
-from isoloco.data import Batches, DataConfig, DataError, unigram_entropy, validation_batches  # noqa: E402
+from isoloco.data import Batches, DataConfig, DataError, check_run_data, unigram_entropy, validation_batches  # noqa: E402
 
 SEQ = 7  # windows of 8 tokens
 
@@ -72,11 +73,12 @@ def test_workers_must_divide_the_global_batch(tokens):
 
 def test_budget(tokens):
     batches = Batches(tokens, SEQ, 5)
-    assert batches.check_budget(10) == 1.0
-    with pytest.raises(ConfigError, match=r"11 steps x global_batch 5 = 55 sequences.*only 50.*allow_repeat=true"):
-        batches.check_budget(11)
-    with pytest.warns(UserWarning, match="repeating the data"):
-        assert batches.check_budget(20, allow_repeat=True) == 2.0
+    assert batches.overrun(10) is None and batches.epochs(10) == 1.0
+    assert re.fullmatch(r"11 steps x global_batch 5 = 55 sequences .*only 50 .*: 1\.10 epochs", batches.overrun(11))
+    val = tokens[:SEQ + 1]
+    with pytest.raises(DataError, match=r"11 steps x global_batch 5 = 55 sequences.*only 50.*allow_repeat=true"):
+        check_run_data(tokens, val, SEQ, 5, 11, SEQ, allow_repeat=False)
+    assert "repeating the data" in check_run_data(tokens, val, SEQ, 5, 20, SEQ, allow_repeat=True)
 
 
 def test_too_little_data_for_one_window():

@@ -51,5 +51,5 @@ def test_embedded_dataset_is_prepared_once_and_reused(embedded):
     assert baseline == unigram_entropy(data.train, data.val, data.vocab_size)
     assert unigram_entropy(data.train) < baseline < 7.0 < np.log(data.vocab_size)
     batches = Batches(data.train, 128, 32, seed=0)
-    batches.check_budget(200)
+    assert batches.overrun(200) is None
     assert batches.worker_batch(199, 3, 4).shape == (8, 129)

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from isoloco import checkpoint as ckpt
-from isoloco.config import parse_overrides, resolve
+from isoloco.config import DEFAULT_PRESET, parse_overrides, resolve
 from isoloco.configbase import ConfigError
 from isoloco.distributed import Distributed, ProcessLayout, TorchCommunicator, assign_owners, process_group
 from isoloco.launch import add_launch_command, free_port, torchrun_argv
@@ -95,8 +95,8 @@ def run_processes(fn, world_size: int, *args, timeout: float = 300) -> None:
             pytest.fail(f"{world_size} processes did not finish within {timeout}s")
 
 
-def single_process(tmp: Path, name: str, base: dict = SMALL, **overrides) -> Trainer:
-    trainer = Trainer(resolve(None, {**base, **overrides}), tmp / name, progress=False, say=lambda _m: None)
+def single_process(tmp: Path, name: str, base: dict = SMALL, preset: str | None = None, **overrides) -> Trainer:
+    trainer = Trainer(resolve(preset, {**base, **overrides}), tmp / name, progress=False, say=lambda _m: None)
     (tmp / name).mkdir(parents=True, exist_ok=True)
     trainer.run()
     return trainer
@@ -313,7 +313,8 @@ def test_resume_after_a_lost_process_matches_an_uninterrupted_run(killed, tmp_pa
     resumed = subprocess.run([sys.executable, "-m", "isoloco", "launch", "--nproc", "2", "--", "train", "--resume",
                               str(killed_run), "--quiet"], capture_output=True, text=True, env=ENV, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
-    reference = single_process(tmp_path, "reference", base=parse_overrides(CLI_RUN))
+    # What `isoloco train` with these items (no preset) resolves to.
+    reference = single_process(tmp_path, "reference", base=parse_overrides(CLI_RUN), preset=DEFAULT_PRESET)
     names = [name for name, _ in reference.named_params]
     assert_close_relative(final_params(killed_run), reference.global_params, names, 1e-5)
     assert [m["step"] for m in read_metrics(killed_run / "metrics.jsonl")] == list(range(1, 41))
@@ -363,7 +364,7 @@ def launch_args(*argv: str):
     import argparse
 
     parser = argparse.ArgumentParser()
-    add_launch_command(parser.add_subparsers())
+    add_launch_command(parser.add_subparsers(), check_command=lambda command, processes: 0)
     return parser.parse_args(["launch", *argv])
 
 

@@ -125,6 +125,7 @@ def test_killed_sweep_finishes_on_rerun_without_redoing_finished_runs(tmp_path, 
     steps = [int(line.split('"step": ')[1].split(",")[0])
              for line in (out / "diloco-R2-H3-s0" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6], "a run must not be trained twice into one directory"
+    assert not (out / "logs" / "diloco-R2-H3-s0.lock").exists(), "a finished run keeps no lock file"
     assert (out / "results.csv").read_text().count("\n") == 3
 
     # A run killed after its last checkpoint but before summary.json is resumed, not redone.

@@ -1,13 +1,14 @@
-"""Command line: `isoloco train | launch | data prepare | export`.
+"""Command line: `isoloco train | launch | sweep | report | data | export`.
 
 User errors (bad keys or values, bad data, an occupied output directory) print one line
-`error: ...` and exit with status 2 before any work starts.
+`error: ...` (one per problem) and exit with status 2 before any work starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -15,12 +16,15 @@ from pathlib import Path
 
 import yaml
 
-from isoloco.checkpoint import CheckpointError, write_json_atomic, write_text_atomic
-from isoloco.config import TrainConfig, describe_keys, from_dict, parse_overrides, preset_names, resolve, to_dict
+from isoloco import __version__
+from isoloco.checkpoint import CheckpointError, latest_checkpoint, write_json_atomic, write_text_atomic
+from isoloco.cliargs import add_items, parse_late
+from isoloco.config import (DEFAULT_PRESET, TrainConfig, describe_keys, from_dict, parse_overrides, preset_names,
+                            resolve, split_items, to_dict)
 from isoloco.configbase import ConfigError
 from isoloco.data import DataError
 from isoloco.data.cli import add_data_commands
-from isoloco.distributed import CollectiveError, Distributed, process_group
+from isoloco.distributed import CollectiveError, Distributed, ProcessLayout, process_group
 from isoloco.launch import add_launch_command
 from isoloco.merge import NonFiniteDeltaError
 from isoloco.stop import StopRequested
@@ -34,13 +38,6 @@ RUN_TOKENIZER = "tokenizer.json"
 
 class UsageError(ValueError):
     """A command-line mistake that is not about a config value."""
-
-
-def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
-    """The optional preset (first item without '=') and the key=value overrides."""
-    if items and "=" not in items[0]:
-        return items[0], items[1:]
-    return None, items
 
 
 def _check_out_dir(out: Path, force: bool) -> None:
@@ -64,28 +61,113 @@ def _prepare_out_dir(out: Path, force: bool) -> None:
 
 
 def _load_run_config(run_dir: Path) -> TrainConfig:
+    if not run_dir.is_dir():
+        raise UsageError(f"--resume {run_dir}: no such directory; name the run directory to continue "
+                         "(the --out of the run)")
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise UsageError(f"--resume {run_dir}: no {CONFIG_FILE} there; is it a run directory made by isoloco train?")
     return from_dict(yaml.safe_load(path.read_text()))
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    say = (lambda _msg: None) if args.quiet else print
+def _resolve_items(items: list[str]) -> TrainConfig:
+    preset, overrides = split_items(items)
+    return resolve(preset or DEFAULT_PRESET, parse_overrides(overrides))
+
+
+def settle_run(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
+    """The config and run directory of `isoloco train ARGS`; every refusal that needs no data
+    is raised here, before any work (and, for `isoloco launch`, before any process starts)."""
     if args.resume:
         if args.items:
             raise UsageError("--resume continues a run with its saved config; drop the preset and key=value "
                              "arguments (start a new run with --out to change them)")
+        if args.out:
+            raise UsageError(f"--out {args.out} and --resume {args.resume} both name the run directory: a resumed "
+                             "run continues in its own; drop --out")
         out = Path(args.resume)
         cfg = _load_run_config(out)
     else:
-        preset, items = _split_args(args.items)
-        cfg = resolve(preset if preset is not None else ("quick" if not items else None), parse_overrides(items))
+        cfg = _resolve_items(args.items)
         out = Path(args.out) if args.out else Path("runs") / f"{cfg.method}-{time.strftime('%Y%m%d-%H%M%S')}"
         _check_out_dir(out, args.force)
+    cfg.log.check_installed()
+    return cfg, out
+
+
+def _train_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-h", "--help", action="store_true",
+                        help="show this help, with the values of the given preset and method, and exit")
+    parser.add_argument("--out", help="run directory (default runs/METHOD-TIMESTAMP)")
+    parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing run directory")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or start-up lines")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the run directory and the resolved config (what config.yaml will hold); "
+                             "train nothing")
+
+
+TRAIN_USAGE = ("isoloco train [PRESET|FILE.yaml] [key=value ...] [--out DIR | --resume DIR] [--force] [--quiet] "
+               "[--dry-run]")
+
+
+def _parse_train(args: argparse.Namespace) -> argparse.Namespace:
+    """Options anywhere among the preset and key=value items, as users type them."""
+    return parse_late(args, _train_options, prog="isoloco train", usage=TRAIN_USAGE, add_help=False)
+
+
+def train_help(parser: argparse.ArgumentParser, cfg: TrainConfig, items: list[str]) -> str:
+    preset, _ = split_items(items)
+    shown = f"{preset or DEFAULT_PRESET + ' (the default preset)'} with method {cfg.method}"
+    parser.epilog = (
+        f"keys (key = value for {shown} {{allowed}}):\n" + describe_keys(cfg) + "\n\n"
+        "Learning rates: each method sets the paper's values for its 178M model; the quick and repro-cpu "
+        "presets replace them with values tuned for the tiny model (inner.lr 0.016; outer.lr 1.2 for isoloco). "
+        "`isoloco train PRESET method=M --help` shows what a run would use.\n"
+        "`data=X` is short for `data.source=X`, `gpus_per_worker=G` for `dist.gpus_per_worker=G`.")
+    return parser.format_help()
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    args = _parse_train(args)
+    say = (lambda _msg: None) if args.quiet else print
+    if args.help:
+        print(train_help(args.parser, _load_run_config(Path(args.resume)) if args.resume
+                         else _resolve_items(args.items), args.items))
+        return 0
+    cfg, out = settle_run(args)
+    if args.dry_run:
+        print(f"# isoloco train would {'continue' if args.resume else 'write'} {out}")
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
     # Under torchrun every process runs this; one process alone joins nothing.
     with process_group(cfg):
         return _train(args, cfg, out, say)
+
+
+def check_launch(command: list[str], world_size: int) -> int:
+    """What `isoloco COMMAND` on `world_size` processes would refuse, checked by `isoloco launch`
+    before torchrun starts them: its exit status (0: go), after one line per problem."""
+    args = build_parser().parse_args(command)
+    if getattr(args, "func", None) is not cmd_train:
+        return 0
+
+    def check() -> int:
+        from isoloco.trainer import check_resume_layout, load_run_data
+
+        train_args = _parse_train(args)
+        if train_args.help:
+            return 0
+        cfg, out = settle_run(train_args)
+        layout = ProcessLayout.for_run(cfg, world_size, rank=0)
+        if train_args.resume:
+            newest = latest_checkpoint(out / "checkpoints")
+            if newest is not None:
+                check_resume_layout(newest, json.loads((newest / "state.json").read_text()), layout.describe())
+        load_run_data(cfg)
+        return 0
+
+    return report_errors(check)
 
 
 def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path, say) -> int:
@@ -106,7 +188,7 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path, say) -> int:
             write_text_atomic(out / RUN_TOKENIZER, Path(trainer.data.tokenizer_path).read_text())
     dist.barrier()
     processes = f" x {dist.world_size} processes" if dist.world_size > 1 else ""
-    say(f"{cfg.method} ({cfg.algorithm}): model {cfg.model} with {trainer.num_params:,} parameters, "
+    say(f"{cfg.method} ({_recipe(cfg)}): model {cfg.model} with {trainer.num_params:,} parameters, "
         f"R={cfg.num_workers}, H={cfg.inner_steps}, {cfg.steps} steps on {trainer.device}{processes}")
     try:
         summary = trainer.run(resume=bool(args.resume))
@@ -123,6 +205,14 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path, say) -> int:
     return 0
 
 
+def _recipe(cfg: TrainConfig) -> str:
+    """What a method does, in the banner: the merge, the optimizers and their learning rates."""
+    inner = f"inner {cfg.inner.optimizer} lr {cfg.inner.lr:g}"
+    if cfg.algorithm == "dp":
+        return f"data-parallel baseline, {inner}"
+    return f"merge {cfg.merge.rule}, outer {cfg.outer.optimizer} lr {cfg.outer.lr:g}, {inner}"
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from isoloco.export import export
 
@@ -133,24 +223,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="isoloco", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"isoloco {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     train = commands.add_parser(
-        "train", help="train a model (dp baseline or DiLoCo with a merge rule)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="isoloco train [PRESET|FILE.yaml] [key=value ...] [--out DIR | --resume DIR] [--force] [--quiet]",
-        description="With no arguments, runs the `quick` preset. Presets: " + ", ".join(preset_names()) + ".",
-        epilog="keys (key = default {allowed}):\n" + describe_keys() + "\n\n`data=X` is short for `data.source=X`, "
-               "`gpus_per_worker=G` for `dist.gpus_per_worker=G`.")
-    train.add_argument("items", nargs="*", help=argparse.SUPPRESS)
-    train.add_argument("--out", help="run directory (default runs/METHOD-TIMESTAMP)")
-    train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
-    train.add_argument("--force", action="store_true", help="overwrite an existing run directory")
-    train.add_argument("--quiet", action="store_true", help="no progress bar or start-up lines")
-    train.set_defaults(func=cmd_train)
+        "train", help="train a model (dp baseline or DiLoCo with a merge rule)", add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter, usage=TRAIN_USAGE,
+        description=f"With no preset or file, runs the `{DEFAULT_PRESET}` preset, and key=value items apply on "
+                    "top of it. Presets: " + ", ".join(preset_names()) + ".")
+    _train_options(train)
+    add_items(train)
+    train.set_defaults(func=cmd_train, parser=train)
 
     add_data_commands(commands)
-    add_launch_command(commands)
+    add_launch_command(commands, check_launch)
     add_sweep_commands(commands)
 
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
@@ -160,16 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
+def report_errors(action) -> int:
+    """Run `action`, turning the errors a user can fix into `error:` lines and an exit status."""
     try:
-        return args.func(args)
+        return action()
     except (*USER_ERRORS, UsageError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        if _speaks_for_the_job():
+            for problem in str(err).splitlines():
+                print(f"error: {problem}", file=sys.stderr)
         return 2
     except (PeerLostError, CollectiveError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -180,6 +264,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _speaks_for_the_job() -> bool:
+    """Rank 0 alone reports a user error: every process of a torchrun job meets the same one
+    (same arguments, same files), and a process that meets its own posts it to the others."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return report_errors(lambda: args.func(args))
 
 
 if __name__ == "__main__":

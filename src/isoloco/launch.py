@@ -3,7 +3,9 @@
     isoloco launch --nproc 4 -- train quick workers=8
     isoloco launch --nproc 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- train ...
 
-It replaces itself (exec) with `python -m torch.distributed.run ... -m isoloco <command>`,
+It first checks the command as the processes would (`isoloco train`: the config, the run
+directory, the layout on this many processes, a resumed run's checkpoint, the data) and
+refuses with one line and exit status 2, starting nothing. Then it replaces itself (exec) with `python -m torch.distributed.run ... -m isoloco <command>`,
 so signals reach torchrun directly and its exit status is the job's (non-zero if any
 process failed). One machine rendezvouses on 127.0.0.1 at a free port unless an address
 is named; several machines need `--master-addr` (node 0's address, reachable from every
@@ -16,6 +18,7 @@ import argparse
 import os
 import socket
 import sys
+from typing import Callable
 
 DEFAULT_PORT = 29500
 
@@ -27,12 +30,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def torchrun_argv(args: argparse.Namespace) -> list[str]:
-    """The torchrun command line for parsed `isoloco launch` arguments."""
+def launched_command(args: argparse.Namespace) -> list[str]:
+    """The isoloco command (after `--`) that every process runs."""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise ValueError("isoloco launch needs the isoloco command to run after --, "
                          "e.g. isoloco launch --nproc 2 -- train quick")
+    return command
+
+
+def torchrun_argv(args: argparse.Namespace) -> list[str]:
+    """The torchrun command line for parsed `isoloco launch` arguments."""
+    command = launched_command(args)
     if args.nproc < 1 or args.nnodes < 1:
         raise ValueError(f"--nproc {args.nproc} and --nnodes {args.nnodes} must both be >= 1")
     if args.nnodes > 1 and args.master_addr is None:
@@ -54,11 +63,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    # torchrun reports a process's refusal as its own failure (status 1 and a traceback).
+    status = args.check_command(launched_command(args), args.nproc * args.nnodes)
+    if status:
+        return status
     sys.stdout.flush()
     os.execv(argv[0], argv)
 
 
-def add_launch_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_launch_command(subparsers: argparse._SubParsersAction,
+                       check_command: Callable[[list[str], int], int]) -> argparse.ArgumentParser:
+    """Register `launch`; `check_command(command, processes)` returns the exit status of what the
+    processes would refuse (0: start them)."""
     launch = subparsers.add_parser(
         "launch", help="run an isoloco command on several processes / machines with torchrun",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -72,5 +88,5 @@ def add_launch_command(subparsers: argparse._SubParsersAction) -> argparse.Argum
     launch.add_argument("--master-port", type=int,
                         help=f"rendezvous port on node 0 (default: a free port on one machine, {DEFAULT_PORT} on several)")
     launch.add_argument("command", nargs=argparse.REMAINDER, help="-- then the isoloco command, e.g. -- train quick")
-    launch.set_defaults(func=cmd_launch)
+    launch.set_defaults(func=cmd_launch, check_command=check_command)
     return launch

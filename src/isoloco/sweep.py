@@ -38,7 +38,9 @@ from typing import Any
 import yaml
 
 from isoloco import report
-from isoloco.config import EXECUTION_KEYS, flatten, from_dict, load_preset, parse_overrides, resolve, to_dict
+from isoloco.cliargs import add_items, parse_late
+from isoloco.config import (DEFAULT_PRESET, EXECUTION_KEYS, flatten, from_dict, load_preset, parse_overrides, resolve,
+                            split_items, to_dict)
 from isoloco.configbase import ConfigError
 from isoloco.methods import METHODS
 from isoloco.report import CONFIG_FILE, MANIFEST_FILE, SUMMARY_FILE
@@ -203,6 +205,15 @@ def claim(lock_path: Path) -> int | None:
     return fd
 
 
+def release(lock_path: Path, fd: int, finished: bool) -> None:
+    """Give up a claim. A finished run's lock file goes, removed while still held: whoever
+    claims it afterwards (through the old file or a new one) finds the run finished and skips
+    it. An unfinished run's stays, or two claimers could lock two different files."""
+    if finished:
+        lock_path.unlink(missing_ok=True)
+    os.close(fd)
+
+
 # ---------------------------------------------------------------------------------------
 # Parallel jobs
 
@@ -289,7 +300,7 @@ def execute(runs: list[Run], out: Path, envs: list[dict[str, str]]) -> list[str]
             pending.remove(run)
             run_dir = out / run.name
             if is_finished(run_dir):  # that process has finished it meanwhile
-                os.close(fd)
+                release(logs / f"{run.name}.lock", fd, finished=True)
                 bar.update(1)
                 continue
             log = open(logs / f"{run.name}.log", "a")
@@ -305,8 +316,8 @@ def execute(runs: list[Run], out: Path, envs: list[dict[str, str]]) -> list[str]
                     continue
                 del active[slot]
                 job.log.close()
-                os.close(job.lock_fd)
                 run_dir = out / job.run.name
+                release(logs / f"{job.run.name}.lock", job.lock_fd, finished=is_finished(run_dir))
                 drift = _drift(run_dir, job.run.config)
                 if drift:
                     bar.write(f"warning: {job.run.name} resolved to another config than planned ({drift}): "
@@ -350,15 +361,13 @@ def execute(runs: list[Run], out: Path, envs: list[dict[str, str]]) -> list[str]
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    args = _late_options(args)
-    preset = args.items[0] if args.items and "=" not in args.items[0] else None
-    raw_overrides = args.items[1 if preset else 0:]
+    args = parse_late(args, _add_options, prog="isoloco sweep", usage=SWEEP_USAGE, description=SWEEP_DESCRIPTION)
+    named, raw_overrides = split_items(args.items)
+    preset = named or DEFAULT_PRESET  # what each run's `isoloco train` would default to
     overrides = parse_overrides(raw_overrides)
     flags = {"methods": args.methods, "workers": args.workers, "inner_steps": args.inner_steps, "seeds": args.seeds}
     grid = build_grid(preset, overrides, flags)
     runs = plan_runs(preset, raw_overrides, grid)
-    if args.out is None and preset is None:
-        raise ConfigError("--out is missing: name the sweep directory (default runs/PRESET needs a preset)")
     out = Path(args.out) if args.out else Path("runs") / Path(preset).stem
     if args.jobs is not None and args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs} is not allowed: use 1 or more")
@@ -409,19 +418,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 SWEEP_USAGE = ("isoloco sweep [PRESET|FILE.yaml] [key=value ...] [--methods M,..] [--workers R,..] "
                "[--inner-steps H,..] [--seeds S,..] [--out DIR] [--jobs N] [--dry-run] [--no-report]")
 SWEEP_DESCRIPTION = (
+    f"With no preset or file, the runs take the `{DEFAULT_PRESET}` preset, as `isoloco train` does. "
     "Each run trains in OUT/NAME with `isoloco train`; finished runs are skipped, so rerunning the same command "
     "after an interruption finishes the grid. A flag replaces that axis of the preset's sweep: section; key=value "
     "overrides apply to every run. The dp method runs once per seed and is the reference of every R and H. "
     "Ends with `isoloco report OUT`.")
-
-
-def _late_options(args: argparse.Namespace) -> argparse.Namespace:
-    """Options written after the preset or an override (argparse's subcommand parser stops there)."""
-    late = argparse.ArgumentParser(prog="isoloco sweep", usage=SWEEP_USAGE, description=SWEEP_DESCRIPTION,
-                                   argument_default=argparse.SUPPRESS)
-    _add_options(late)
-    late.add_argument("items", nargs="*", help=argparse.SUPPRESS)
-    return argparse.Namespace(**{**vars(args), "items": [], **vars(late.parse_intermixed_args(args.items))})
 
 
 def add_sweep_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -429,7 +430,6 @@ def add_sweep_commands(subparsers: argparse._SubParsersAction) -> None:
     sweep = subparsers.add_parser("sweep", help="run a grid of methods x workers x inner steps x seeds, resumable",
                                   usage=SWEEP_USAGE, description=SWEEP_DESCRIPTION)
     _add_options(sweep)
-    # REMAINDER: the preset, the overrides and any options after them, parsed by _late_options.
-    sweep.add_argument("items", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    add_items(sweep)  # the preset, the overrides and any options among them
     sweep.set_defaults(func=cmd_sweep)
     report.add_report_command(subparsers)

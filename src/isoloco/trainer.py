@@ -35,7 +35,7 @@ from isoloco import sharded_checkpoint
 from isoloco.comm import LocalCommunicator
 from isoloco.config import TrainConfig, to_dict
 from isoloco.configbase import ConfigError
-from isoloco.data import Batches, TokenData, load_token_data, validation_batches
+from isoloco.data import Batches, TokenData, check_run_data, load_token_data, validation_batches
 from isoloco.distributed import Distributed
 from isoloco.inner import InnerOptimizer
 from isoloco.metrics import MetricsLog, NullMetricsLog
@@ -52,6 +52,24 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={name!r} is not available on this machine: use device=cpu or device=auto")
     return device
+
+
+def load_run_data(cfg: TrainConfig) -> tuple[TokenData, str | None]:
+    """The run's data, checked for every problem at once (one DataError, a line each), and the
+    notice of a run that repeats it, if it does."""
+    data = load_token_data(cfg.data)
+    notice = check_run_data(data.train, data.val, cfg.seq_len, cfg.global_batch, cfg.train_steps,
+                            cfg.data.val_tokens, cfg.data.allow_repeat)
+    return data, notice
+
+
+def check_resume_layout(checkpoint: Path, state: dict[str, Any], layout: dict[str, int]) -> None:
+    """Refuse to resume a checkpoint written by another layout of workers and processes."""
+    if state.get("layout") != layout:
+        raise ckpt.CheckpointError(
+            f"checkpoint {checkpoint} was written with layout {state.get('layout')}, this run has {layout}; "
+            "resume with the same number of workers and processes and the same gpus_per_worker "
+            "(isoloco launch --nproc N -- train --resume DIR starts N processes)")
 
 
 @dataclass
@@ -73,9 +91,10 @@ class Trainer:
         self.progress = progress
         self.dist = dist or Distributed(cfg)
         self.device = self.dist.place(resolve_device(cfg.device))
-        self.data: TokenData = load_token_data(cfg.data)
+        self.data, repeat_notice = load_run_data(cfg)
+        if repeat_notice and self.dist.is_main:
+            print(f"warning: {repeat_notice}", file=sys.stderr)
         self.batches = Batches(self.data.train, cfg.seq_len, cfg.global_batch, cfg.seed)
-        self.batches.check_budget(cfg.train_steps, cfg.data.allow_repeat)
         self.val = validation_batches(self.data.val, cfg.seq_len, cfg.data.val_tokens, cfg.eval_batch)
         self.model = build_model(cfg.model, self.data.vocab_size, cfg.seq_len, cfg.seed).to(self.device)
         self.num_params = count_parameters(self.model)
@@ -142,6 +161,7 @@ class Trainer:
             losses[step - start] = self._forward_backward(self._worker_rows(step, worker))
             self.dist.average_gradients(self.params)
             worker.optimizer.step(step)
+            self.bar.update()
         if self.diloco:
             # Δ = θ − θ_r, computed in the compute buffers then kept by the worker until the merge.
             with torch.no_grad():
@@ -167,19 +187,23 @@ class Trainer:
         losses = self.dist.mean(worker_losses[rows].mean(dim=0))
         if self.diloco:
             names = [n for n, _ in self.named_params]
-            deltas = {name: [w.delta[i].to(self.device, non_blocking=True) for w in kept]
+            # Stored deltas (host memory when offloaded) reach the device a parameter at a time.
+            deltas = {name: [w.delta[i] for w in kept]
                       for i, name in enumerate(names)}
             if self.dropped:
                 print(f"warning: round {round_index}: dropped worker(s) {self.dropped} (loss or pseudo-gradient "
                       "not finite); merging the others and restarting them from the global model", file=sys.stderr)
                 with self.outer.merger.restricted_to(LocalCommunicator(worker_ids=[w.index for w in kept])):
-                    self.outer.step(deltas, round=round_index)
+                    self.outer.step(deltas, round=round_index, fetch=self._fetch)
                 for worker in self.workers:
                     if worker.index in self.dropped:  # its optimizer state is as poisoned as its weights
                         worker.optimizer = InnerOptimizer(self.named_params, self.cfg.inner, self.cfg.steps)
             else:
-                self.outer.step(deltas, round=round_index)
+                self.outer.step(deltas, round=round_index, fetch=self._fetch)
         return losses
+
+    def _fetch(self, delta: torch.Tensor) -> torch.Tensor:
+        return delta.to(self.device, non_blocking=True)
 
     @staticmethod
     def _healthy(worker: Worker, losses: torch.Tensor) -> bool:
@@ -248,12 +272,7 @@ class Trainer:
         if found is None:
             return None
         path, state = found
-        layout = self.dist.layout.describe()
-        if state.get("layout") != layout:
-            raise ckpt.CheckpointError(
-                f"checkpoint {path} was written with layout {state.get('layout')}, this run has {layout}; "
-                "resume with the same number of workers and processes and the same gpus_per_worker "
-                "(isoloco launch --nproc N -- train --resume DIR starts N processes)")
+        check_resume_layout(path, state, self.dist.layout.describe())
         global_tensors = ckpt.load_tensors(path, "global", self.device)
         for (name, _), param in zip(self.named_params, self.global_params):
             saved = global_tensors.get(name)
@@ -265,7 +284,10 @@ class Trainer:
         with torch.no_grad():
             for (name, _), param in zip(self.named_params, self.global_params):
                 param.copy_(global_tensors[name])
-        worker_tensors = ckpt.load_tensors(path, self._workers_file(), self.storage)
+        # On the CPU: torch's load_state_dict moves the moments to their parameters' device and
+        # keeps AdamW's scalar `step` where it is, on the CPU as torch expects (on the GPU every
+        # foreach step would wait for it).
+        worker_tensors = ckpt.load_tensors(path, self._workers_file(), torch.device("cpu"))
         for worker in self.workers:
             templates = worker.optimizer.state_dicts()
             worker.optimizer.load_state_dicts([
@@ -295,7 +317,10 @@ class Trainer:
             tensorboard_dir=self.out_dir / "tensorboard" if cfg.log.tensorboard else None,
             wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
             run_name=self.out_dir.name, config=to_dict(cfg)) if self.dist.is_main else NullMetricsLog()
-        bar = tqdm(total=cfg.train_steps, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True)
+        # Workers take their turns one after another: the bar counts each worker's steps.
+        workers = len(self.workers)
+        self.bar = tqdm(total=cfg.train_steps * workers, initial=self.step * workers, disable=not self.progress,
+                        unit="step" if workers == 1 else "worker-step", dynamic_ncols=True)
         stop = GracefulStop()
         try:
             while self.step < cfg.train_steps:
@@ -314,16 +339,18 @@ class Trainer:
                 if self._due(cfg.eval_every, start, end) or end == cfg.train_steps:
                     self.last_val_loss = self.evaluate()
                     record_extra["val_loss"] = self.last_val_loss
+                # Steps are timed as a round (workers take turns, then merge): the round's last line
+                # carries its wall time and throughput.
+                record_extra["wall_time_s"] = self.elapsed
+                record_extra["tokens_per_s"] = tokens_per_step * (end - start) / seconds
                 for i, step in enumerate(range(start, end)):
                     record = {"step": step + 1, "round": start // cfg.inner_steps, "tokens": (step + 1) * tokens_per_step,
-                              "train_loss": losses[i], "lr": self.workers[0].optimizer.lr_at(step),
-                              "wall_time_s": self.elapsed, "tokens_per_s": tokens_per_step * (end - start) / seconds}
+                              "train_loss": losses[i], "lr": self.workers[0].optimizer.lr_at(step)}
                     if step + 1 == end:
                         record.update(record_extra)
                     log.write(record)
-                bar.update(end - start)
-                bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * (end - start) / seconds:,.0f}",
-                                **({"val": f"{self.last_val_loss:.3f}"} if "val_loss" in record_extra else {}))
+                self.bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{record_extra['tokens_per_s']:,.0f}",
+                                     **({"val": f"{self.last_val_loss:.3f}"} if "val_loss" in record_extra else {}))
                 if not math.isfinite(losses[-1]):
                     raise FloatingPointError(f"training loss became {losses[-1]} at step {end}; "
                                              "lower inner.lr or outer.lr")
@@ -335,7 +362,7 @@ class Trainer:
                     raise StopRequested(signum, end)
         finally:
             stop.restore()
-            bar.close()
+            self.bar.close()
             log.close()
         return self.summary()
 

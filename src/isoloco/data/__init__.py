@@ -3,8 +3,9 @@
 What a trainer does with it::
 
     data = load_token_data(cfg.data)                      # validated, memory-mapped splits
+    notice = check_run_data(data.train, data.val, seq_len, global_batch, steps,   # every problem at once
+                            cfg.data.val_tokens, cfg.data.allow_repeat)
     batches = Batches(data.train, seq_len, global_batch, seed)
-    batches.check_budget(steps, cfg.data.allow_repeat)
     x = batches.worker_batch(step, worker, num_workers)   # LongTensor [B/R, seq_len+1]
     held_out = validation_batches(data.val, seq_len, cfg.data.val_tokens, eval_batch)
     data.unigram_loss                                     # the context-free baseline to beat
@@ -15,7 +16,7 @@ ids), `shards` (the on-disk format, writing and validation), `prepare` (the pipe
 the cache), `batches` (which windows each worker sees at each step), `cli` (`isoloco data`).
 """
 
-from isoloco.data.batches import Batches, unigram_entropy, validation_batches
+from isoloco.data.batches import Batches, check_run_data, unigram_entropy, validation_batches
 from isoloco.data.config import DataConfig, DataError, cache_root
 from isoloco.data.corpus import Corpus, is_validation, open_corpus
 from isoloco.data.prepare import load_token_data, prepare
@@ -24,6 +25,7 @@ from isoloco.data.tokenizer import LoadedTokenizer, load_tokenizer_file, pretrai
 
 __all__ = [
     "Batches",
+    "check_run_data",
     "Corpus",
     "DataConfig",
     "DataError",

@@ -17,8 +17,6 @@ equal to data-parallel SGD.
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
 
@@ -41,8 +39,7 @@ class Batches:
         self.seed = seed
         self.num_windows = len(tokens) // self.window
         if self.num_windows == 0:
-            raise DataError(f"the train split has {len(tokens)} tokens, fewer than one sequence of seq_len+1 = "
-                            f"{self.window}; fix: use a shorter seq_len or more data")
+            raise DataError(_too_short_for_one_window(len(tokens), seq_len))
         self._permutations: dict[int, np.ndarray] = {}
 
     def permutation(self, epoch: int) -> np.ndarray:
@@ -96,23 +93,54 @@ class Batches:
         """How many passes over the train windows `steps` steps make."""
         return steps * self.global_batch / self.num_windows
 
-    def check_budget(self, steps: int, allow_repeat: bool = False) -> float:
-        """Refuse (or, with `allow_repeat`, warn about) a run that needs more windows than the train split has.
-
-        Returns the number of epochs the run makes.
-        """
+    def overrun(self, steps: int) -> str | None:
+        """Why `steps` steps need more windows than the train split has (None when they do not)."""
         needed = steps * self.global_batch
-        epochs = self.epochs(steps)
         if needed <= self.num_windows:
-            return epochs
-        message = (f"{steps} steps x global_batch {self.global_batch} = {needed} sequences of {self.window} tokens, "
-                   f"but the train split has only {self.num_windows} ({len(self.tokens)} tokens): "
-                   f"{epochs:.2f} epochs")
-        if not allow_repeat:
-            raise ConfigError(f"{message}; fix: fewer steps, a smaller global_batch or seq_len, more data, "
-                              f"or data.allow_repeat=true")
-        warnings.warn(f"{message}; repeating the data (data.allow_repeat=true)", stacklevel=2)
-        return epochs
+            return None
+        return (f"{steps} steps x global_batch {self.global_batch} = {needed} sequences of {self.window} tokens, "
+                f"but the train split has only {self.num_windows} ({len(self.tokens)} tokens): "
+                f"{self.epochs(steps):.2f} epochs")
+
+
+def _too_short_for_one_window(tokens: int, seq_len: int) -> str:
+    return (f"the train split has {tokens} tokens, fewer than one sequence of seq_len+1 = {seq_len + 1}; "
+            "fix: use a shorter seq_len or more data")
+
+
+def _validation_shortfall(val_tokens: int, seq_len: int, num_tokens: int) -> str | None:
+    """Why the validation split cannot score `num_tokens` tokens at `seq_len` (None when it can)."""
+    window = seq_len + 1
+    count = -(-num_tokens // seq_len)
+    if count * window <= val_tokens:
+        return None
+    available = val_tokens // window * seq_len
+    return (f"the validation split has {val_tokens} tokens, fewer than the {count} windows x {window} tokens "
+            f"needed to score val_tokens={num_tokens} at seq_len={seq_len}; fix: set data.val_tokens<={available}, "
+            "or prepare with a larger val_fraction")
+
+
+def check_run_data(train: np.ndarray, val: np.ndarray, seq_len: int, global_batch: int, steps: int,
+                   val_tokens: int, allow_repeat: bool) -> str | None:
+    """Every problem of a run's data at once: a DataError with one line each. Returns the notice
+    of a run that repeats the data (data.allow_repeat=true), if it does."""
+    problems = []
+    notice = None
+    if len(train) < seq_len + 1:
+        problems.append(_too_short_for_one_window(len(train), seq_len))
+    else:
+        overrun = Batches(train, seq_len, global_batch).overrun(steps)
+        if overrun and not allow_repeat:
+            problems.append(f"{overrun}; fix: fewer steps, a smaller global_batch or seq_len, more data, "
+                            "or data.allow_repeat=true")
+        elif overrun:
+            notice = f"{overrun}; repeating the data (data.allow_repeat=true)"
+    shortfall = _validation_shortfall(len(val), seq_len, val_tokens)
+    if shortfall:
+        problems.append(shortfall)
+    if problems:
+        raise DataError("\n".join(problems))
+    return notice
 
 
 def validation_batches(val_tokens: np.ndarray, seq_len: int, num_tokens: int, batch_size: int) -> list[torch.Tensor]:
@@ -124,13 +152,11 @@ def validation_batches(val_tokens: np.ndarray, seq_len: int, num_tokens: int, ba
     """
     if seq_len < 1 or num_tokens < 1 or batch_size < 1:
         raise ConfigError(f"seq_len={seq_len}, val_tokens={num_tokens} and batch size={batch_size} must be >= 1")
+    shortfall = _validation_shortfall(len(val_tokens), seq_len, num_tokens)
+    if shortfall:
+        raise DataError(shortfall)
     window = seq_len + 1
     count = -(-num_tokens // seq_len)
-    if count * window > len(val_tokens):
-        available = len(val_tokens) // window * seq_len
-        raise DataError(f"the validation split has {len(val_tokens)} tokens, fewer than the {count} windows x "
-                        f"{window} tokens needed to score val_tokens={num_tokens} at seq_len={seq_len}; fix: set "
-                        f"data.val_tokens<={available}, or prepare with a larger val_fraction")
     windows = np.asarray(val_tokens[:count * window], dtype=np.int64).reshape(count, window)
     return [torch.from_numpy(windows[start:start + batch_size].copy()) for start in range(0, count, batch_size)]
 
