@@ -29,3 +29,39 @@ def test_gradient_buckets_pack_small_tensors_and_leave_large_ones_alone():
     buckets = distributed._buckets(tensors, 256)
     assert [[t.numel() for t in b] for b in buckets] == [[10, 10], [300], [5, 3, 40], [4]]
     assert [t for b in buckets for t in b] == tensors  # order kept, nothing lost
+
+
+@pytest.mark.parametrize("rule", ["mean", "ties", "dare", "tsv", "iso_c", "iso_cts"])
+def test_the_merge_holds_one_parameter_of_fetched_deltas_at_a_time(rule):
+    """Offloaded workers keep their deltas in host memory; the merge fetches them to the
+    compute device one parameter at a time (counted here through the fetch), and the result
+    is the same as merging deltas that were already there."""
+    import weakref
+
+    from isoloco.comm import LocalCommunicator
+    from isoloco.merge import MergeConfig
+    from isoloco.outer import OuterConfig, OuterStep
+
+    workers, shapes = 4, {"embed": (96, 16), "attn": (16, 16), "norm": (16,), "head": (96, 16)}
+    g = torch.Generator().manual_seed(0)
+    deltas = {name: [torch.randn(shape, generator=g) for _ in range(workers)] for name, shape in shapes.items()}
+    live = {"now": 0, "peak": 0}
+
+    def fetch(delta: torch.Tensor) -> torch.Tensor:
+        copy = delta.clone()
+        size = copy.numel() * copy.element_size()
+        live["now"] += size
+        live["peak"] = max(live["peak"], live["now"])
+        weakref.finalize(copy, lambda: live.__setitem__("now", live["now"] - size))
+        return copy
+
+    def merged(with_fetch: bool) -> list[torch.Tensor]:
+        params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in shapes.items()]
+        step = OuterStep(params, MergeConfig(rule=rule), OuterConfig(optimizer="sgd", lr=1.0), LocalCommunicator(workers), 0)
+        step.step(deltas, round=0, fetch=fetch if with_fetch else None)
+        return [p.detach() for _, p in params]
+
+    for a, b in zip(merged(True), merged(False)):
+        assert torch.equal(a, b)
+    one_parameter = workers * 96 * 16 * 4
+    assert 0 < live["peak"] <= one_parameter < sum(d.numel() * 4 for ds in deltas.values() for d in ds)

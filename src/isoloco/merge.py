@@ -23,7 +23,7 @@ import dataclasses
 import fnmatch
 import functools
 import hashlib
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -433,11 +433,19 @@ class Merger:
             self.comm = usual
             usual.bytes_sent_per_worker += comm.reset_bytes()
 
-    def merge_all(self, local_deltas: dict[str, list[torch.Tensor]], round: int | None = None) -> dict[str, torch.Tensor]:
+    def merge_all(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None = None,
+                  fetch: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Merge every parameter: all collectives first, in the mapping's order (the same on
         every process), then the finalize steps, which the communicator's `shard_map`
-        spreads over the processes. Same results as `merge` on each parameter."""
-        merged = {name: self.aggregate(name, deltas, round) for name, deltas in local_deltas.items()}
+        spreads over the processes. Same results as `merge` on each parameter.
+
+        `fetch` brings a stored delta to where the merge computes (offloaded workers keep
+        theirs in host memory); it is applied one parameter at a time and the fetched copies
+        are dropped before the next, so the merge holds one parameter's deltas at once, not
+        every worker's whole model."""
+        merged = {}
+        for name, deltas in local_deltas.items():
+            merged[name] = self.aggregate(name, [fetch(d) for d in deltas] if fetch else list(deltas), round)
         pending = [name for name, aggregate in merged.items() if self._needs_finalize(name, aggregate)]
         entry = RULES[self.cfg.rule]
         finalized = self.comm.shard_map(lambda aggregate: entry.finalize(aggregate, self.cfg), [merged[n] for n in pending])

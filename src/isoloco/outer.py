@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -218,17 +218,19 @@ class OuterStep:
         self.merger = Merger(aggregation, comm, seed)
         self.optimizer = build_outer_optimizer(self.named_params, merge, outer, comm)
 
-    def step(self, local_deltas: Mapping[str, list[torch.Tensor]], round: int) -> None:
+    def step(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int,
+             fetch: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """One outer step. `local_deltas[name]` holds θ − θ_r for each local worker r, in the
         communicator's order; the deltas are only read, so the caller may reuse their storage
-        afterwards."""
+        afterwards. `fetch` brings stored deltas to the compute device, one parameter at a time
+        (see `Merger.merge_all`)."""
         if set(local_deltas) != set(self._params):
             missing = sorted(set(self._params) - set(local_deltas))
             unexpected = sorted(set(local_deltas) - set(self._params))
             raise ValueError(
                 f"local_deltas must hold one entry per parameter; missing {missing}, unexpected {unexpected}"
             )
-        merged_all = self.merger.merge_all({name: local_deltas[name] for name, _ in self.named_params}, round)
+        merged_all = self.merger.merge_all({name: local_deltas[name] for name, _ in self.named_params}, round, fetch)
         for name, param in self.named_params:
             merged = merged_all[name]
             if merged.shape != param.shape:
