@@ -82,7 +82,7 @@ def test_bytes_counted_on_two_processes_match_the_analytic_counts():
 
 
 def test_memory_peak_of_a_round_runs_in_a_fresh_process():
-    [(growth, params)] = memory.fresh_process_peaks([("tiny", 2, True, 4, 16, DATA)])
+    [(growth, params)] = memory.fresh_process_peaks([("tiny", 2, True, 4, 16, "cpu", DATA)])
     # At least the two workers' pseudo-gradients and AdamW moments (12 bytes per parameter each).
     assert params > 0 and growth >= 2 * memory.WORKER_BYTES_PER_PARAM * params
 

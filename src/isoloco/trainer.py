@@ -123,6 +123,9 @@ class Trainer:
         self.step = 0
         self.elapsed = 0.0
         self.last_val_loss: float | None = None
+        # Counts worker steps; `run` replaces it with a visible bar (rounds driven by the
+        # benchmarks and the GPU check outside `run` update this silent one).
+        self.bar = tqdm(disable=True)
 
     # -- one step --------------------------------------------------------------------------
 
