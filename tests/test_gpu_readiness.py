@@ -65,3 +65,23 @@ def test_the_merge_holds_one_parameter_of_fetched_deltas_at_a_time(rule):
         assert torch.equal(a, b)
     one_parameter = workers * 96 * 16 * 4
     assert 0 < live["peak"] <= one_parameter < sum(d.numel() * 4 for ds in deltas.values() for d in ds)
+
+
+def test_a_deterministic_run_trains_and_repeats_its_bits(tmp_path):
+    from isoloco.config import resolve
+    from isoloco.trainer import Trainer
+
+    small = {"model": "tiny", "seq_len": 32, "global_batch": 8, "steps": 4, "inner_steps": 2, "workers": 2,
+             "eval_every": 4, "data.vocab_size": 512, "data.val_tokens": 1024, "checkpoint_every": 0,
+             "device": "cpu", "deterministic": True}
+    runs = []
+    for name in ("a", "b"):
+        trainer = Trainer(resolve(None, small), tmp_path / name, progress=False, say=lambda _m: None)
+        (tmp_path / name).mkdir()
+        trainer.run()
+        runs.append(trainer)
+    assert torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)  # process-wide: leave the other tests as they were
+    for a, b in zip(runs[0].global_params, runs[1].global_params):
+        assert torch.equal(a, b)
+    assert runs[0].last_val_loss == runs[1].last_val_loss

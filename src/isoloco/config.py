@@ -73,6 +73,9 @@ class TrainConfig:
                                 "partial round syncs at steps")
     seed: int = option(0, "seed of model initialisation, data order and random merge rules")
     device: str = option("auto", "auto (CUDA when available, else CPU), cpu, cuda or cuda:N")
+    deterministic: bool = option(False, "CUDA: deterministic kernels (torch deterministic algorithms, a fixed cuBLAS "
+                                 "workspace, the math attention kernel), so reruns and resumes on the same GPU "
+                                 "model and software give the same bits; slower. CPU runs are bit-exact without it")
     offload_workers: bool = option(False, "keep idle workers' parameters and optimizer state in CPU memory (GPU runs with many workers)")
     eval_every: int = option(60, "evaluate the global model every this many steps (at the next synchronisation) and at the end")
     eval_batch: int = option(16, "sequences per evaluation forward pass")

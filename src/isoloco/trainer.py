@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 import sys
 import time
-from contextlib import nullcontext
+import os
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -43,6 +44,14 @@ from isoloco.model import build_model, count_parameters
 from isoloco.merge import NonFiniteDeltaError
 from isoloco.outer import OuterStep
 from isoloco.stop import GracefulStop, StopRequested
+
+
+def use_deterministic_kernels() -> None:
+    """Deterministic CUDA kernels for this process (`deterministic=true`); the cuBLAS workspace
+    setting must be in place before the first matrix product on the GPU."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def resolve_device(name: str) -> torch.device:
@@ -90,6 +99,8 @@ class Trainer:
         self.say = say
         self.progress = progress
         self.dist = dist or Distributed(cfg)
+        if cfg.deterministic:
+            use_deterministic_kernels()
         self.device = self.dist.place(resolve_device(cfg.device))
         self.data, repeat_notice = load_run_data(cfg)
         if repeat_notice and self.dist.is_main:
@@ -141,9 +152,18 @@ class Trainer:
         return total / len(chunks)
 
     def _loss(self, rows: torch.Tensor) -> torch.Tensor:
-        with self.autocast:
+        with self.autocast, self._attention_kernels():
             logits = self.model(input_ids=rows[:, :-1], use_cache=False).logits
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1))
+
+    def _attention_kernels(self) -> AbstractContextManager:
+        """The math attention kernel when deterministic: the fused ones' backward passes
+        accumulate in a nondeterministic order on CUDA."""
+        if not self.cfg.deterministic:
+            return nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.MATH])
 
     def _worker_rows(self, step: int, worker: Worker) -> torch.Tensor:
         """This process's share of what `worker` (dp: the one model) trains on at `step`."""
