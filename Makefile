@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	@echo "installing PyTorch ($(TORCH), the CPU build; the largest download, so the longest step)"
 	$(BIN)/pip install --quiet "$(TORCH)"
 	@echo "installing isoloco and its dependencies (transformers, tokenizers, the embedded corpus, test tools)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,torchft]"
 	touch $@
 
 demo: install
