@@ -96,16 +96,16 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     cfg = resolve(None, parse_overrides(RUN))
     out = tmp_path / "run"
     out.mkdir()
-    real_save = ckpt.save_file
+    real_save = ckpt.write_safetensors
     calls = []
 
-    def save_until_full(tensors, path):
+    def save_until_full(path, tensors):
         calls.append(path)
         if len(calls) > 3:  # the second checkpoint (3 tensor files each) hits a full disk
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(tensors, path)
+        real_save(path, tensors)
 
-    monkeypatch.setattr(ckpt, "save_file", save_until_full)
+    monkeypatch.setattr(ckpt, "write_safetensors", save_until_full)
     trainer = Trainer(cfg, out, progress=False, say=lambda _m: None)
     with pytest.raises(ckpt.CheckpointError, match="No space left on device.*step_00000010 is intact"):
         trainer.run()
@@ -165,10 +165,10 @@ def test_dropped_round_equals_merging_the_other_workers(tmp_path, monkeypatch):
     captured = {}
     original_step = trainer.outer.step
 
-    def step(local_deltas, round):
+    def step(local_deltas, round, fetch=None):
         captured["deltas"] = {k: [d.clone() for d in v] for k, v in local_deltas.items()}
         captured["ids"] = trainer.outer.merger.comm.local_worker_ids
-        return original_step(local_deltas, round)
+        return original_step(local_deltas, round, fetch)
 
     trainer.outer.step = step
     before = [p.detach().clone() for p in trainer.global_params]

@@ -85,3 +85,25 @@ def test_a_deterministic_run_trains_and_repeats_its_bits(tmp_path):
     for a, b in zip(runs[0].global_params, runs[1].global_params):
         assert torch.equal(a, b)
     assert runs[0].last_val_loss == runs[1].last_val_loss
+
+
+def test_checkpoint_files_are_safetensors_written_without_copies_of_the_state(tmp_path):
+    """Every dtype a checkpoint holds, scalars, empty tensors, views that share storage and
+    non-contiguous ones: `load_file` gives them back exactly."""
+    from safetensors.torch import load_file
+
+    from isoloco.checkpoint import write_safetensors
+
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensors = {
+        "w": base, "row": base[1], "columns": base[:, ::2], "transposed": base.T,
+        "step": torch.tensor(7.0), "empty": torch.zeros(0, 3), "half": torch.randn(5, dtype=torch.bfloat16),
+        "f16": torch.randn(3, dtype=torch.float16), "f64": torch.randn(2, 2, dtype=torch.float64),
+        "ids": torch.arange(5), "i32": torch.arange(3, dtype=torch.int32), "bytes": torch.arange(9, dtype=torch.uint8),
+        "mask": torch.tensor([True, False]),
+    }
+    write_safetensors(tmp_path / "x.safetensors", tensors)
+    loaded = load_file(str(tmp_path / "x.safetensors"))
+    assert set(loaded) == set(tensors)
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from isoloco.fileutil import file_sha256
 
@@ -53,9 +54,35 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True))
 
 
-def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # safetensors refuses views that share storage; a CPU copy also detaches from the GPU.
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+#: torch dtypes by their safetensors names.
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write `tensors` in the safetensors format one tensor at a time.
+
+    safetensors' own `save_file` first turns every tensor into bytes in memory and refuses
+    tensors that share storage (so callers clone them): two extra copies of the state at save
+    time. Here a CPU tensor is written from its own memory and a GPU tensor is copied to the
+    CPU alone, so a checkpoint costs at most one tensor of extra memory. `load_file` reads it.
+    """
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, tensor in sorted(tensors.items()):
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)))
+        handle.write(encoded)
+        for name, tensor in sorted(tensors.items()):
+            data = tensor.detach().to("cpu").contiguous().reshape(-1)
+            handle.write(memoryview(data.view(torch.uint8).numpy()))
 
 
 def save_checkpoint(root: Path, step: int, tensor_files: dict[str, dict[str, torch.Tensor]],
@@ -95,7 +122,7 @@ def stage_checkpoint(root: Path, step: int) -> Path:
 def write_tensor_file(staging: Path, stem: str, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """Write and sync `stem.safetensors` in `staging`; return {file name: SHA-256}."""
     path = staging / f"{stem}.safetensors"
-    save_file(_contiguous(tensors), str(path))
+    write_safetensors(path, tensors)
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
     return {path.name: file_sha256(path)}
