@@ -1,8 +1,14 @@
-"""Suite-wide settings: offline hub, one shared data cache per test session."""
+"""Suite-wide settings: offline hub, one shared data cache per test session, the test device.
+
+`ISOLOCO_TEST_DEVICE` (default cpu) is where the device-agnostic training tests run, e.g.
+`ISOLOCO_TEST_DEVICE=cuda make test` on a GPU machine; tests marked `cuda` need a GPU and are
+skipped, saying so, where torch sees none.
+"""
 
 import os
 
 import pytest
+import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -19,3 +25,12 @@ def session_cache(tmp_path_factory):
         os.environ.pop("ISOLOCO_CACHE", None)
     else:
         os.environ["ISOLOCO_CACHE"] = previous
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; torch sees none on this machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -107,3 +107,28 @@ def test_checkpoint_files_are_safetensors_written_without_copies_of_the_state(tm
     assert set(loaded) == set(tensors)
     for name, tensor in tensors.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method", ["svd", "gram"])
+def test_exact_orthogonalisation_on_the_gpu_matches_the_cpu(method):
+    from isoloco.ortho import iso_correct
+
+    matrix = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    on_gpu = iso_correct(matrix.cuda(), method).cpu()
+    on_cpu = iso_correct(matrix, method)
+    assert ((on_gpu - on_cpu).norm() / on_cpu.norm()).item() <= 1e-4
+
+
+@pytest.mark.cuda
+def test_dare_masks_on_the_gpu_are_the_cpu_masks():
+    from isoloco.comm import LocalCommunicator
+    from isoloco.merge import MergeConfig, Merger
+
+    g = torch.Generator().manual_seed(0)
+    deltas = [torch.randn(32, 16, generator=g) for _ in range(3)]
+    merger = Merger(MergeConfig(rule="dare", drop_rate=0.5), LocalCommunicator(3), seed=1)
+    on_gpu = merger.merge("w", [d.cuda() for d in deltas], round=2).cpu()
+    on_cpu = merger.merge("w", deltas, round=2)
+    assert torch.equal(on_gpu != 0, on_cpu != 0)
+    torch.testing.assert_close(on_gpu, on_cpu)

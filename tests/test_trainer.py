@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 from isoloco.config import resolve
 from isoloco.methods import METHODS
 from isoloco.trainer import Trainer
+from helpers import TEST_DEVICE
 
 SMALL = {"model": "tiny", "seq_len": 32, "global_batch": 8, "steps": 10, "eval_every": 10, "eval_batch": 8,
-         "data.vocab_size": 512, "data.val_tokens": 1024, "checkpoint_every": 0, "device": "cpu"}
+         "data.vocab_size": 512, "data.val_tokens": 1024, "checkpoint_every": 0, "device": TEST_DEVICE}
 
 
 def train(tmp_path: Path, name: str, **overrides) -> Trainer:

@@ -79,6 +79,7 @@ class InnerOptimizer:
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["peak_lr"] = cfg.lr
+        self._host: dict[tuple[int, str], torch.Tensor] = {}  # offloaded state, one buffer per tensor
 
     def lr_at(self, step: int) -> float:
         return self.cfg.lr * lr_factor(step, self.total_steps, self.cfg.warmup_fraction, self.cfg.min_lr_ratio)
@@ -104,9 +105,22 @@ class InnerOptimizer:
             opt.load_state_dict(state)
 
     def move_state(self, device: torch.device) -> None:
-        """Move optimizer state tensors (moments, momentum) to `device` (idle-worker offload)."""
+        """Move optimizer state tensors (moments, momentum) to `device` (idle-worker offload).
+
+        To the CPU they go into buffers allocated once per tensor at its exact size and copied
+        synchronously: a non-blocking copy would land in page-locked memory from torch's host
+        cache (sizes rounded up to a power of two, never returned, not swappable) and could
+        still be in flight when a checkpoint reads it. Back to the GPU the copy may overlap.
+        """
         for opt in self.optimizers:
-            for state in opt.state.values():
+            for param, state in opt.state.items():
                 for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.device != device and value.ndim > 0:
+                    if not isinstance(value, torch.Tensor) or value.device == device or value.ndim == 0:
+                        continue
+                    if device.type == "cpu":
+                        host = self._host.get((id(param), key))
+                        if host is None or host.shape != value.shape or host.dtype != value.dtype:
+                            host = self._host[id(param), key] = torch.empty_like(value, device="cpu")
+                        state[key] = host.copy_(value)
+                    else:
                         state[key] = value.to(device, non_blocking=True)
