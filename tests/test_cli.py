@@ -200,3 +200,12 @@ def test_a_repeated_corpus_is_a_plain_warning_line():
     train, val = np.arange(50, dtype=np.uint16), np.arange(100, dtype=np.uint16)
     notice = check_run_data(train, val, seq_len=4, global_batch=5, steps=20, val_tokens=8, allow_repeat=True)
     assert notice.startswith("20 steps x global_batch 5") and "repeating the data" in notice
+
+
+@pytest.mark.parametrize("raw", ["*embed_tokens*,lm_head.weight", "[*embed_tokens*, lm_head.weight]",
+                                 "['*embed_tokens*', 'lm_head.weight']"])
+def test_list_keys_take_comma_or_bracket_forms(raw):
+    from isoloco.config import parse_overrides, resolve
+
+    cfg = resolve(None, parse_overrides([f"merge.exclude={raw}"]))
+    assert cfg.merge.exclude == ["*embed_tokens*", "lm_head.weight"]

@@ -195,7 +195,10 @@ def _coerce(key: Key, raw: Any) -> Any:
     expected = getattr(tp, "__name__", str(tp))
     if typing.get_origin(tp) is list:
         if isinstance(raw, str):
-            raw = [item for item in raw.split(",") if item]
+            # `a,b` or `[a, b]` (YAML cannot read the bracket form when an item starts with `*`).
+            text = raw.strip()
+            text = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+            raw = [item.strip().strip("'\"") for item in text.split(",") if item.strip()]
         if not isinstance(raw, list):
             raise ConfigError(f"{key.name}={raw!r} is not allowed: expected a list (comma-separated)")
         return [str(item) for item in raw]
