@@ -130,3 +130,21 @@ def test_runs_that_differ_in_more_than_the_seed_are_separate_points(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| diloco | 2 | 3 | outer.lr=0.7 processes=2 | 2 |" in md
     assert "| dp | — | — | — | 2 |" in md  # dp has no variant
+
+
+def test_compare_pairs_seeds_and_calls_a_difference_only_outside_its_interval(tmp_path):
+    _fake_run(tmp_path, "dp-s0", 4.0, method="dp", workers=1)
+    # isoloco − diloco per seed: R=1: −0.1, +0.1, 0.0 (within the spread); R=4: −0.30, −0.32, −0.28 (called)
+    for seed, (d1, d4) in enumerate(((-0.1, -0.30), (0.1, -0.32), (0.0, -0.28))):
+        for r, diff in ((1, d1), (4, d4)):
+            _fake_run(tmp_path, f"diloco-R{r}-H3-s{seed}", 4.5, method="diloco", workers=r, inner_steps=3, seed=seed)
+            _fake_run(tmp_path, f"isoloco-R{r}-H3-s{seed}", 4.5 + diff, method="isoloco", workers=r, inner_steps=3,
+                      seed=seed)
+    assert main(["report", str(tmp_path), "--compare", "isoloco:diloco"]) == 0
+    text = (tmp_path / "compare.md").read_text()
+    # R = 1: mean 0, s = 0.1, half-width 4.303 · 0.1 / √3 = 0.2484
+    assert "| 1 | 3 | 3 | +0.0000 ± 0.2484 | within the spread |" in text
+    # R = 4: mean −0.30, s = 0.02, half-width 4.303 · 0.02 / √3 = 0.0497
+    assert "| 4 | 3 | 3 | -0.3000 ± 0.0497 | isoloco lower |" in text
+    assert "from R = 1 to R = 4 (3 seeds): -0.3000 ± 0.2767 (isoloco gains on diloco as R grows)" in text
+    assert main(["report", str(tmp_path), "--compare", "isoloco"]) == 2

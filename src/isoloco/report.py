@@ -41,6 +41,7 @@ MANIFEST_FILE = "sweep.yaml"
 CSV_FILE = "results.csv"
 SUMMARY_CSV_FILE = "summary.csv"
 MARKDOWN_FILE = "results.md"
+COMPARE_FILE = "compare.md"
 PLOT_DIR = "plots"
 #: Axes a plot can put on x: run attribute -> (short label, axis title).
 X_AXES = {"workers": ("R", "workers R"), "inner_steps": ("H", "inner steps H")}
@@ -409,6 +410,74 @@ def write_plots(runs: list[RunResult], folder: Path) -> list[tuple[str, str]]:
 
 
 # ---------------------------------------------------------------------------------------
+# Paired comparisons
+
+#: Two-sided 95% quantiles of Student's t by degrees of freedom (1.96, the normal one, beyond).
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float | None]:
+    """The mean and the half-width of its 95% confidence interval (t over the seeds; None for one)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None
+    t = _T95[len(values) - 2] if len(values) - 1 <= len(_T95) else 1.96
+    return mean, t * statistics.stdev(values) / len(values) ** 0.5
+
+
+def _verdict(mean: float, half: float | None, a: str, b: str) -> str:
+    if half is None:
+        return "one seed: no call"
+    if abs(mean) <= half:
+        return "within the spread"
+    return f"{a} lower" if mean < 0 else f"{b} lower"
+
+
+def _interval(mean: float, half: float | None) -> str:
+    return f"{mean:+.4f}" + (f" ± {half:.4f}" if half is not None else "")
+
+
+def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]]) -> str:
+    """For each (A, B): the final-loss difference A − B paired by seed at every R and H both
+    reached with the same seeds, its 95% interval, and whether it is called; with several R,
+    also how the difference changes from the smallest R to the largest, paired by seed."""
+    loss = {(r.method, r.workers, r.inner_steps, r.budget, r.seed): r.final_val_loss
+            for r in runs if r.final_val_loss is not None and not r.variant}
+    parts = ["# Paired comparisons", "",
+             "Difference of final validation loss A − B over the seeds both ran (same seed: same initialisation "
+             "and data order), mean ± the half-width of its 95% t-interval. A difference is called only when "
+             "the interval excludes 0."]
+    for a, b in pairs:
+        points: dict[tuple, dict[int, float]] = {}
+        for (method, workers, inner, budget, seed), value in loss.items():
+            other = loss.get((b, workers, inner, budget, seed))
+            if method == a and other is not None:
+                points.setdefault((workers or 0, inner or 0, budget), {})[seed] = value - other
+        rows = []
+        for (workers, inner, budget), by_seed in sorted(points.items()):
+            mean, half = mean_ci95(list(by_seed.values()))
+            rows.append([_dash(workers or None), _dash(inner or None), str(len(by_seed)), _interval(mean, half),
+                         _verdict(mean, half, a, b)])
+        parts += ["", f"## {a} − {b}", ""]
+        if not rows:
+            parts.append(f"No point where both {a} and {b} finished with the same seed.")
+            continue
+        parts.append(_md_table(["R", "H", "seeds", f"{a} − {b} (final loss)", "call"], rows))
+        by_r = {key[0]: seeds for key, seeds in points.items() if key[1] == min(k[1] for k in points)}
+        if len(by_r) > 1:
+            low, high = min(by_r), max(by_r)
+            common = sorted(set(by_r[low]) & set(by_r[high]))
+            if common:
+                mean, half = mean_ci95([by_r[high][s] - by_r[low][s] for s in common])
+                trend = ("one seed: no call" if half is None else "within the spread" if abs(mean) <= half
+                         else f"{a} gains on {b} as R grows" if mean < 0 else f"{a} loses ground to {b} as R grows")
+                parts += ["", f"Change of the difference from R = {low} to R = {high} ({len(common)} seeds): "
+                              f"{_interval(mean, half)} ({trend})."]
+    return "\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------------------------------
 # The command
 
 
@@ -426,9 +495,20 @@ def write_report(directory: Path) -> None:
 
 def cmd_report(args: argparse.Namespace) -> int:
     directory = Path(args.directory)
+    pairs = [_pair(text) for text in args.compare]
     write_report(directory)
     print(f"wrote {directory / MARKDOWN_FILE}, {CSV_FILE}, {SUMMARY_CSV_FILE} and {directory / PLOT_DIR}/")
+    if pairs:
+        (directory / COMPARE_FILE).write_text(compare_markdown(load_runs(directory), pairs))
+        print(f"wrote {directory / COMPARE_FILE}")
     return 0
+
+
+def _pair(text: str) -> tuple[str, str]:
+    a, sep, b = text.partition(":")
+    if not sep or not a or not b:
+        raise ReportError(f"--compare {text!r} is not A:B; example: --compare isoloco:diloco")
+    return a, b
 
 
 def add_report_command(subparsers: argparse._SubParsersAction) -> None:
@@ -438,4 +518,7 @@ def add_report_command(subparsers: argparse._SubParsersAction) -> None:
                     "plots/*.png: final validation loss and gap to the dp run of the same budget and seed, "
                     "mean ± std over seeds. Rerunning gives identical files.")
     report.add_argument("directory", metavar="DIR", help="a folder of run directories (the --out of isoloco sweep)")
+    report.add_argument("--compare", action="append", default=[], metavar="A:B",
+                        help="also write compare.md: method A's final loss minus B's, paired by seed, at every R "
+                             "and H, with 95%% intervals (repeatable)")
     report.set_defaults(func=cmd_report)
