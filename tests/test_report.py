@@ -146,5 +146,5 @@ def test_compare_pairs_seeds_and_calls_a_difference_only_outside_its_interval(tm
     assert "| 1 | 3 | 3 | +0.0000 ± 0.2484 | within the spread |" in text
     # R = 4: mean −0.30, s = 0.02, half-width 4.303 · 0.02 / √3 = 0.0497
     assert "| 4 | 3 | 3 | -0.3000 ± 0.0497 | isoloco lower |" in text
-    assert "from R = 1 to R = 4 (3 seeds): -0.3000 ± 0.2767 (isoloco gains on diloco as R grows)" in text
+    assert "from R = 1 to R = 4 (3 seeds): -0.3000 ± 0.2766 (isoloco gains on diloco as R grows)" in text
     assert main(["report", str(tmp_path), "--compare", "isoloco"]) == 2
