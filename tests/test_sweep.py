@@ -73,6 +73,7 @@ def test_jobs_split_the_cores_or_take_one_gpu_each():
     (["workers=4"], "workers=4 is a sweep axis: use --workers 4"),
     (["--jobs", "0"], "--jobs 0 is not allowed"),
     (["wrkers=4"], "unknown key 'wrkers'"),
+    (["steps=100000"], "run dp-s0: 100000 steps x global_batch 8"),
 ])
 def test_bad_input_exits_2_with_one_line_before_any_run(tmp_path, capsys, extra, needle):
     out = tmp_path / "sweep"

@@ -42,6 +42,7 @@ from isoloco.cliargs import add_items, parse_late
 from isoloco.config import (DEFAULT_PRESET, EXECUTION_KEYS, flatten, from_dict, load_preset, parse_overrides, resolve,
                             split_items, to_dict)
 from isoloco.configbase import ConfigError
+from isoloco.data import DataError
 from isoloco.methods import METHODS
 from isoloco.report import CONFIG_FILE, MANIFEST_FILE, SUMMARY_FILE
 
@@ -148,13 +149,27 @@ def plan_runs(preset: str | None, raw_overrides: list[str], grid: Grid) -> list[
     return runs
 
 
+def check_data(runs: list[Run]) -> None:
+    """Every run's data problems (a budget beyond the corpus, a short validation split) before
+    the first run starts, once per distinct data setting: one DataError naming the first run
+    that has them."""
+    from isoloco.trainer import load_run_data  # torch and the data stack: only once a grid is planned
+
+    checked = set()
+    for run in runs:
+        cfg = from_dict(run.config)
+        key = (repr(cfg.data), cfg.seq_len, cfg.global_batch, cfg.train_steps)
+        if key in checked:
+            continue
+        checked.add(key)
+        try:
+            load_run_data(cfg)
+        except DataError as err:
+            raise DataError(f"run {run.name}: {err}") from None
+
+
 # ---------------------------------------------------------------------------------------
 # Run directories
-
-
-#: Keys that say how a run executes, not what it computes: a finished run is still this grid
-#: point when they differ (e.g. the large-R part of a sweep rerun with offload_workers=true, or
-#: a point trained by hand on several processes with `isoloco launch` into OUT/NAME).
 
 
 def config_changes(run_dir: Path, config: dict[str, Any]) -> str:
@@ -368,6 +383,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     flags = {"methods": args.methods, "workers": args.workers, "inner_steps": args.inner_steps, "seeds": args.seeds}
     grid = build_grid(preset, overrides, flags)
     runs = plan_runs(preset, raw_overrides, grid)
+    check_data(runs)
     out = Path(args.out) if args.out else Path("runs") / Path(preset).stem
     if args.jobs is not None and args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs} is not allowed: use 1 or more")
