@@ -19,20 +19,13 @@ import math
 import torch
 
 from isoloco import merge
-from isoloco.bench.workload import simulator
+from isoloco.bench.workload import trained_deltas
 
 
 def real_deltas(workers: int, rounds: int, seed: int) -> dict[str, list[torch.Tensor]]:
-    """Every parameter's per-worker pseudo-gradients after `rounds` rounds of DiLoCo
-    (H = 30, repro-cpu's batch and lr), the last round's deltas before its merge."""
-    trainer = simulator("tiny", "diloco", workers, 16, 64, 30, steps=30 * rounds,
-                        **{"device": "cpu", "seed": seed, "inner.lr": 0.016})
-    for start in range(0, 30 * (rounds - 1), 30):
-        trainer._round(start, start + 30)
-    for worker in trainer.workers:
-        trainer._run_worker(worker, 30 * (rounds - 1), 30 * rounds)
-    names = [name for name, _ in trainer.named_params]
-    return {name: [worker.delta[i].double() for worker in trainer.workers] for i, name in enumerate(names)}
+    """Round `rounds` of DiLoCo at R = `workers` with repro-cpu's batch, H and inner lr."""
+    return trained_deltas(rounds, model="tiny", method="diloco", workers=workers, global_batch=16, seq_len=64,
+                          inner_steps=30, steps=30 * rounds, seed=seed, **{"inner.lr": 0.016})
 
 
 def relative(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> float:
