@@ -15,7 +15,10 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from isoloco import checkpoint as ckpt
-from isoloco.config import DEFAULT_PRESET, parse_overrides, resolve
+from isoloco import merge
+from isoloco.bench import comm as bench_comm
+from isoloco.bench.workload import parameter_shapes
+from isoloco.config import DEFAULT_PRESET, TrainConfig, parse_overrides, resolve
 from isoloco.configbase import ConfigError
 from isoloco.distributed import Distributed, ProcessLayout, TorchCommunicator, assign_owners, process_group
 from isoloco.launch import add_launch_command, free_port, torchrun_argv
@@ -55,7 +58,7 @@ def _join_job(rank: int, world_size: int, port: int) -> None:
 
 def _train_cases(rank: int, world_size: int, port: int, root: str, cases: dict) -> None:
     _join_job(rank, world_size, port)
-    with process_group(resolve(None, {**SMALL, "dist.timeout_s": 60})):
+    with process_group(resolve(None, {**SMALL, **next(iter(cases.values())), "dist.timeout_s": 60})):
         for name, overrides in cases.items():
             out = Path(root) / name
             out.mkdir(parents=True, exist_ok=True)
@@ -125,17 +128,20 @@ def two_process_runs(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def one_process_runs(tmp_path_factory) -> dict[str, Trainer]:
-    """The same runs in this process, on one thread like the spawned processes (so the
+def train_in_this_process(root: Path, cases: dict) -> dict[str, Trainer]:
+    """The runs of `cases` in this process, on one thread like the spawned processes (so the
     workers' own arithmetic is identical and only the merge's reduction order differs)."""
-    root = tmp_path_factory.mktemp("one-process")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {name: single_process(root, name, **overrides) for name, overrides in CASES.items()}
+        return {name: single_process(root, name, **overrides) for name, overrides in cases.items()}
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory) -> dict[str, Trainer]:
+    return train_in_this_process(tmp_path_factory.mktemp("one-process"), CASES)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -167,11 +173,21 @@ def bytes_per_round(run: Path) -> list[int]:
     return [m["bytes_per_worker"] for m in read_metrics(run / "metrics.jsonl") if "bytes_per_worker" in m]
 
 
+def link_bytes(run: Path, link: str) -> list[float]:
+    return [m[f"bytes_{link}"] for m in read_metrics(run / "metrics.jsonl") if f"bytes_{link}" in m]
+
+
 def test_mean_and_iso_c_send_one_model_per_worker_per_round(two_process_runs, one_process_runs):
     model_bytes = 4 * count_parameters(one_process_runs["mean"].model)
+    matrix_bytes = sum(4 * p.numel() for p in one_process_runs["mean"].global_params if p.ndim == 2)
     for case in ("mean", "iso_c", "iso_c_update"):
         assert bytes_per_round(two_process_runs / case) == [model_bytes, model_bytes]
         assert bytes_per_round(one_process_runs[case].out_dir) == [model_bytes, model_bytes]
+        # G = 1: every process is an island and sends its whole sum across. Sharing Iso-C's
+        # orthogonalisations among the 2 processes broadcasts every matrix once: half per process.
+        shared = matrix_bytes / 2 if case != "mean" else 0
+        assert link_bytes(two_process_runs / case, "cross_island") == [model_bytes + shared] * 2
+        assert link_bytes(two_process_runs / case, "in_island") == [0, 0]
 
 
 def test_tsv_sends_less_than_every_full_matrix(two_process_runs, one_process_runs):
@@ -186,26 +202,110 @@ def test_tsv_sends_less_than_every_full_matrix(two_process_runs, one_process_run
     assert measured == bytes_per_round(trainer.out_dir)
 
 
-# -- gpus_per_worker: a worker spread over processes ------------------------------------------
+# -- gpus_per_worker: islands of processes, the slow link carrying 1/G each ---------------------
+
+#: Every rule again with R = 2 workers; on 4 processes each worker is an island of 2. An
+#: island averages its gradients over 2 processes, which rounds differently from one process
+#: taking the whole batch; Iso-CTS's cut between common and per-worker directions amplifies
+#: that by the inverse spectral gap at the cut: 1.3e-5 at the default f = 0.8 on this model,
+#: 5.4e-6 at f = 0.6, which gathers 13 directions per worker of every rank-64 matrix.
+ISLAND_CASES = {name: {**overrides, "workers": 2} for name, overrides in RULES.items()}
+ISLAND_CASES["iso_cts"]["merge.common_fraction"] = 0.6
 
 
-def _train_islands(rank: int, world_size: int, port: int, root: str) -> None:
-    _join_job(rank, world_size, port)
-    cfg = resolve(None, {**SMALL, "method": "isoloco", "workers": 2, "gpus_per_worker": 2, "dist.timeout_s": 60})
-    with process_group(cfg):
-        Path(root).mkdir(parents=True, exist_ok=True)
-        Trainer(cfg, Path(root), progress=False, say=lambda _m: None).run()
+@pytest.fixture(scope="module")
+def island_runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("islands")
+    run_processes(_train_cases, 4, str(root), {name: {**o, "gpus_per_worker": 2} for name, o in ISLAND_CASES.items()})
+    return root
 
 
-def test_two_workers_of_two_processes_each_equal_two_simulated_workers(tmp_path):
-    run_processes(_train_islands, 4, str(tmp_path / "islands"))
-    reference = single_process(tmp_path, "reference", method="isoloco", workers=2)
+@pytest.fixture(scope="module")
+def two_worker_runs(tmp_path_factory) -> dict[str, Trainer]:
+    return train_in_this_process(tmp_path_factory.mktemp("two-workers"), ISLAND_CASES)
+
+
+@pytest.mark.parametrize("case", sorted(ISLAND_CASES))
+def test_two_islands_of_two_processes_train_what_two_simulated_workers_train(island_runs, two_worker_runs, case):
+    reference = two_worker_runs[case]
     names = [name for name, _ in reference.named_params]
-    assert_close_relative(final_params(tmp_path / "islands"), reference.global_params, names, 1e-5)
-    state = ckpt.verify(ckpt.latest_checkpoint(tmp_path / "islands" / "checkpoints"))
+    assert_close_relative(final_params(island_runs / case), reference.global_params, names, 1e-5)
+    state = ckpt.verify(ckpt.latest_checkpoint(island_runs / case / "checkpoints"))
     assert state["layout"] == {"workers": 2, "processes": 4, "processes_per_worker": 2}
     assert sorted(state["checksums"]) == ["global.safetensors", "outer.safetensors", "workers-0.safetensors",
                                           "workers-1.safetensors"]
+
+
+def sliced(floats: int, slices: int) -> int:
+    """Bytes of one process's slice of `floats` float32 values cut into `slices` equal slices."""
+    return 4 * -(-floats // slices)
+
+
+def cross_island_floats(cfg: TrainConfig, shapes: list[torch.Size], workers_per_island: int) -> list[int]:
+    """Per tensor, what one island sends across islands per round: its sums (one model for
+    mean, Iso-C and DARE; TIES: the trimmed sum, then the masked sum and count stacked) and
+    its workers' factors (TSV: k triplets each; Iso-CTS: the mean, then s triplets each)."""
+    rule = cfg.merge.rule
+
+    def factors(shape: torch.Size, per_worker: int) -> int:
+        return workers_per_island * per_worker * (sum(shape) + 1)
+
+    counts = []
+    for shape in shapes:
+        numel = shape.numel()
+        if rule == "ties":
+            counts += [numel, 2 * numel]
+        elif rule == "tsv" and len(shape) == 2:
+            counts.append(factors(shape, merge.tsv_components(min(shape), cfg.workers)))
+        elif rule == "iso_cts" and len(shape) == 2:
+            per_worker = merge.iso_cts_split(min(shape), cfg.workers, cfg.merge.common_fraction)[1]
+            counts += [numel, factors(shape, per_worker)]
+        else:
+            counts.append(numel)
+    return counts
+
+
+@pytest.mark.parametrize("case", sorted(ISLAND_CASES))
+def test_each_process_sends_its_share_of_one_island_copy_across_islands(island_runs, two_worker_runs, case):
+    """1/G of a model per process for mean, Iso-C and DARE; 1/G of the analytic count for
+    the others (every slice padded to equal width). Inside the island each process sends its
+    slice back to the others, and Iso-C's island-shared orthogonalisations broadcast the
+    island's matrices once (1/G per process)."""
+    cfg = two_worker_runs[case].cfg
+    shapes = [p.shape for p in two_worker_runs[case].global_params]
+    cross = sum(sliced(floats, 2) for floats in cross_island_floats(cfg, shapes, workers_per_island=1))
+    rounds = cfg.steps // cfg.inner_steps
+    assert link_bytes(island_runs / case, "cross_island") == [cross] * rounds
+    if case in ("mean", "dare", "iso_c"):
+        assert cross == 4 * sum(shape.numel() for shape in shapes) // 2
+    if case in ("mean", "dare", "ties"):
+        assert link_bytes(island_runs / case, "in_island") == [cross] * rounds
+    if case.startswith("iso_c_") or case == "iso_c":
+        matrices = sum(4 * shape.numel() for shape in shapes if len(shape) == 2)
+        assert link_bytes(island_runs / case, "in_island") == [cross + matrices / 2] * rounds
+    # All workers in one process: nothing crosses any link.
+    assert link_bytes(two_worker_runs[case].out_dir, "cross_island") == [0] * rounds
+
+
+def test_the_split_divides_each_processs_cross_island_bytes_by_g():
+    """The communication benchmark's before/after on 4 processes: R = 4 as 4 islands of 1 or 2
+    islands of 2; "before" is each process sending its whole tensors across islands."""
+    counts = bench_comm.link_bytes_per_round("tiny", processes=4, island_sizes=(1, 2),
+                                             methods=("diloco", "tsv", "isoloco"))
+    shapes = [shape for _, shape in parameter_shapes("tiny")]
+    model = 4 * sum(shape.numel() for shape in shapes)
+    matrices = 4 * sum(shape.numel() for shape in shapes if len(shape) == 2)
+    cross = {size: {method: {when: links["bytes_cross_island"] for when, links in by_when.items()}
+                    for method, by_when in by_method.items()} for size, by_method in counts.items()}
+    assert cross[1]["diloco"] == {"before": model, "after": model}
+    assert cross[2]["diloco"] == {"before": model, "after": model / 2}
+    assert counts[2]["diloco"]["after"]["bytes_in_island"] == model / 2  # each process's slice, all-gathered
+    assert cross[2]["tsv"]["after"] == cross[2]["tsv"]["before"] / 2 < model / 2
+    # Iso-C: before, the orthogonalised matrices are broadcast to all 4 processes (a quarter each,
+    # across islands); after, inside the island (half each, over the fast link).
+    assert cross[1]["isoloco"] == {"before": model + matrices / 4, "after": model + matrices / 4}
+    assert cross[2]["isoloco"] == {"before": model + matrices / 4, "after": model / 2}
+    assert counts[2]["isoloco"]["after"]["bytes_in_island"] == model / 2 + matrices / 2
 
 
 # -- a lost process stops the run ---------------------------------------------------------------

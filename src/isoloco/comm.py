@@ -6,8 +6,11 @@ processes' workers only through the collectives below. Writing each rule once ag
 interface lets the same code serve the one-process simulator and a `torch.distributed` job,
 and lets each rule pick the cheapest collective that is still exact.
 
-Every collective counts the bytes it would send per worker, so the traffic of a rule can
-be measured the same way in every layout.
+Two byte counts are kept. `bytes_sent_per_worker` is what a rule hands to its collectives per
+worker, the same in every layout (its traffic as DESIGN §4 states it). The link counts are
+what this process hands to collectives over each kind of link (see `reset_link_bytes`): the
+figure a user with slow links between islands plans with, and zero when every worker lives
+in one process.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ class Communicator(ABC):
     def __init__(self) -> None:
         #: Bytes one worker sends during the current accounting period (see `reset_bytes`).
         self.bytes_sent_per_worker = 0
+        #: Bytes this process hands to collectives that cross islands (the slow link) and that
+        #: stay inside its island, in the current period (see `reset_link_bytes`).
+        self.bytes_cross_island = 0
+        self.bytes_in_island = 0
 
     @property
     @abstractmethod
@@ -75,12 +82,29 @@ class Communicator(ABC):
         return [fn(tensor) for tensor in tensors]
 
     def _count(self, tensor: torch.Tensor) -> None:
-        self.bytes_sent_per_worker += tensor.numel() * tensor.element_size()
+        self.bytes_sent_per_worker += nbytes(tensor)
 
     def reset_bytes(self) -> int:
-        """Return the bytes counted since the last reset, and start a new period."""
+        """Return the bytes per worker counted since the last reset, and start a new period."""
         sent, self.bytes_sent_per_worker = self.bytes_sent_per_worker, 0
         return sent
+
+    def reset_link_bytes(self) -> torch.Tensor:
+        """Return [cross-island, in-island] bytes this process handed to collectives since the
+        last reset, and start a new period.
+
+        Each collective counts what this process puts in: an all-reduce its tensor, an
+        all-gather its own block, a broadcast its tensor at the source only. A float64 tensor,
+        so a job can average it over its processes with one all-reduce.
+        """
+        sent = torch.tensor([self.bytes_cross_island, self.bytes_in_island], dtype=torch.float64)
+        self.bytes_cross_island = self.bytes_in_island = 0
+        return sent
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    """The size of a tensor's data in bytes."""
+    return tensor.numel() * tensor.element_size()
 
 
 class LocalCommunicator(Communicator):

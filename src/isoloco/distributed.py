@@ -5,9 +5,11 @@ W/G *islands* of G consecutive ranks (G = `dist.gpus_per_worker`). Island i hold
 K = R·G/W workers [i·K, (i+1)·K), trained one after another as in the one-process
 trainer. The G processes of an island are data parallel: each takes 1/G of every worker's
 micro-batch and they average gradients every inner step, so one worker spans G GPUs.
-Islands talk only at synchronisations: process j of every island merges with process j of
-every other island (its *peer group* of W/G processes). Consecutive ranks form an island so
-that with G = GPUs per node an island is a node, and only the merge crosses the network.
+Islands talk only at synchronisations: process j of every island merges slice j of every
+tensor with process j of every other island (its *peer group* of W/G processes), and the
+island all-gathers its G slices, so one copy per island crosses the slow link (see
+`TorchCommunicator`). Consecutive ranks form an island so that with G = GPUs per node an
+island is a node, and only the merge crosses the network.
 The data-parallel baseline is one island of all W processes holding its single model.
 
 Every worker keeps its global id (0..R-1), so it reads the same batches and draws the same
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from isoloco.comm import Communicator, LocalCommunicator
+from isoloco.comm import Communicator, LocalCommunicator, nbytes
 from isoloco.configbase import ConfigError, check_at_least, check_choice, check_positive, option
 from isoloco.data.config import first_line
 from isoloco.watchdog import PeerLostError, PeerWatchdog
@@ -184,16 +186,33 @@ def _orthogonalisation_cost(tensor: torch.Tensor) -> float:
 class TorchCommunicator(Communicator):
     """The merge collectives of one process over torch.distributed.
 
-    Sums and gathers run over the process's peer group (one process per island; none
-    when there is one island). `shard_map` spreads pure per-tensor work (Iso-C's
-    orthogonalisations) over all processes and broadcasts each result from its owner; that
-    broadcast is not counted in `bytes_sent_per_worker`, which measures the merge itself.
+    Only the merge crosses islands, so its cross-island traffic is split among the island's
+    G processes (the hierarchical pattern of HSDP's replica groups): process j of every
+    island exchanges slice j of each tensor with its peer group, then the island all-gathers
+    the G results over its fast link. HSDP needs a reduce-scatter inside the island first;
+    here the island's processes are data-parallel replicas holding the same deltas, so each
+    already has the island's sum and takes its slice without communicating. Each island
+    thereby sends one copy of what it merges across islands (sums: one model; gathers: its
+    workers' factors), not G copies.
+
+    `shard_map` spreads pure per-tensor work (Iso-C's orthogonalisations) over the island's
+    processes and broadcasts each result from its owner inside the island; with no island
+    group (G = 1) over all processes, its broadcasts then crossing islands.
     """
 
-    def __init__(self, layout: ProcessLayout, peers: dist.ProcessGroup | None) -> None:
+    def __init__(self, layout: ProcessLayout, peers: dist.ProcessGroup | None,
+                 island: dist.ProcessGroup | None) -> None:
+        """`peers`: this process's peer group (None with one island). `island`: its island's
+        group, over whose fast link the cross-island traffic is split; None sends every
+        tensor whole across islands from each process (G = 1, or how isoloco merged islands
+        of G > 1 before the split: the communication benchmark's "before")."""
         super().__init__()
         self._layout = layout
         self._peers = peers
+        self._island = island
+        # Slice `_slot` of `_slices` is this process's share of the cross-island traffic.
+        self._slices = layout.group_size if island is not None else 1
+        self._slot = layout.island_rank if island is not None else 0
 
     @property
     def num_workers(self) -> int:
@@ -204,32 +223,73 @@ class TorchCommunicator(Communicator):
         return self._layout.local_worker_ids
 
     def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._peers is not None:
-            with collective("merge all-reduce"):
-                dist.all_reduce(tensor, group=self._peers)
-        return tensor
+        if self._peers is None:
+            return tensor
+
+        def all_reduce(part: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(part, group=self._peers)
+            return part
+
+        return self._across_islands(tensor, all_reduce, "merge all-reduce").view_as(tensor)
 
     def _gather_across_processes(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if self._peers is None:
             return list(tensors)
         local = torch.stack(tensors)
-        blocks = [torch.empty_like(local) for _ in range(self._layout.islands)]
-        with collective("merge all-gather"):
-            dist.all_gather(blocks, local, group=self._peers)
-        return [tensor for block in blocks for tensor in block.unbind(0)]
+
+        def all_gather(part: torch.Tensor) -> torch.Tensor:
+            blocks = [torch.empty_like(part) for _ in range(self._layout.islands)]
+            dist.all_gather(blocks, part, group=self._peers)
+            return torch.stack(blocks)
+
+        # Island i's block holds its workers' tensors, so the rows come in global worker order.
+        gathered = self._across_islands(local, all_gather, "merge all-gather")
+        return list(gathered.reshape(-1, *local.shape[1:]).unbind(0))
+
+    def _across_islands(self, tensor: torch.Tensor, exchange: Callable[[torch.Tensor], torch.Tensor],
+                        what: str) -> torch.Tensor:
+        """`exchange` (a collective over the peer group) of this process's slice of `tensor`
+        flattened, then the island's slices joined: a tensor of shape (..., tensor.numel()),
+        the leading dimensions being those `exchange` adds. May write into `tensor`."""
+        flat = tensor.reshape(-1)
+        width = -(-flat.numel() // self._slices)
+        if self._slices > 1:
+            # Equal slices, so the island's all-gather can join them; the padding is zeros.
+            flat = torch.nn.functional.pad(flat, (0, width * self._slices - flat.numel()))
+        part = flat[self._slot * width:(self._slot + 1) * width]
+        self.bytes_cross_island += nbytes(part)
+        with collective(what):
+            exchanged = exchange(part)
+            if self._slices == 1:
+                return exchanged
+            self.bytes_in_island += nbytes(exchanged)
+            blocks = [torch.empty_like(exchanged) for _ in range(self._slices)]
+            dist.all_gather(blocks, exchanged, group=self._island)
+        return torch.cat(blocks, dim=-1)[..., :tensor.numel()]
 
     def shard_map(self, fn: Callable[[torch.Tensor], torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        owners = assign_owners([_orthogonalisation_cost(t) for t in tensors], self._layout.world_size)
+        # Inside the island the results travel over the fast link; with G = 1 there is none, and
+        # sharing the work among all processes is still worth its cross-island broadcasts.
+        ranks = self._layout.island_ranks(self._layout.island) if self._island is not None \
+            else list(range(self._layout.world_size))
+        crosses = self._island is None and self._layout.islands > 1
+        owners = [ranks[owner] for owner in assign_owners([_orthogonalisation_cost(t) for t in tensors], len(ranks))]
         results = []
         for owner, tensor in zip(owners, tensors):
             if owner == self._layout.rank:
                 result = fn(tensor)
-                assert result.shape == tensor.shape and result.dtype == tensor.dtype, "shard_map needs a shape-keeping fn"
+                assert result.shape == tensor.shape and result.dtype == tensor.dtype, \
+                    "shard_map needs a shape-keeping fn"
                 results.append(result.contiguous())
+                if crosses:
+                    self.bytes_cross_island += nbytes(result)
+                else:
+                    self.bytes_in_island += nbytes(result)
             else:
                 results.append(torch.empty_like(tensor))
         with collective("broadcast of orthogonalised matrices"):
-            pending = [dist.broadcast(result, src=owner, async_op=True) for owner, result in zip(owners, results)]
+            pending = [dist.broadcast(result, src=owner, group=self._island, async_op=True)
+                       for owner, result in zip(owners, results)]
             for work in pending:
                 work.wait()
         return results
@@ -245,15 +305,15 @@ def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]
     buckets: list[list[torch.Tensor]] = []
     size = 0
     for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
+        size_of = nbytes(tensor)
         last = buckets[-1] if buckets else None
-        if last is None or nbytes >= limit or size + nbytes > limit or last[0].dtype != tensor.dtype \
-                or last[0].numel() * last[0].element_size() >= limit:
+        if last is None or size_of >= limit or size + size_of > limit or last[0].dtype != tensor.dtype \
+                or nbytes(last[0]) >= limit:
             buckets.append([tensor])
-            size = nbytes
+            size = size_of
         else:
             last.append(tensor)
-            size += nbytes
+            size += size_of
     return buckets
 
 
@@ -358,6 +418,8 @@ class Distributed:
         world_size, rank = (dist.get_world_size(), dist.get_rank()) if joined else (1, 0)
         self.layout = ProcessLayout.for_run(cfg, world_size, rank)
         self._island: dist.ProcessGroup | None = None
+        #: This process's peer group (process j of every island); None with one island.
+        self.peers: dist.ProcessGroup | None = None
         self.comm: Communicator = LocalCommunicator(self.layout.workers)
         if world_size > 1:
             layout = self.layout
@@ -367,11 +429,10 @@ class Distributed:
                 elif layout.group_size > 1:
                     self._island, _ = dist.new_subgroups_by_enumeration(
                         [layout.island_ranks(i) for i in range(layout.islands)])
-                peers = None
                 if layout.islands > 1:
-                    peers, _ = dist.new_subgroups_by_enumeration(
+                    self.peers, _ = dist.new_subgroups_by_enumeration(
                         [layout.peer_ranks(j) for j in range(layout.group_size)])
-            self.comm = TorchCommunicator(layout, peers)
+            self.comm = TorchCommunicator(layout, self.peers, self._island)
         # Small collectives (metrics, flags, objects) run where the backend wants tensors.
         self._device = torch.device("cpu")
         if joined and dist.get_backend() == "nccl":
@@ -439,6 +500,13 @@ class Distributed:
     def mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """Mean over all processes: every process holds an equal share of the workers' data."""
         return self.sum(tensor) / self.world_size
+
+    def link_bytes(self, comm: Communicator) -> dict[str, float]:
+        """The bytes per process `comm` sent over each link since its last `reset_link_bytes`
+        (which this calls), averaged over all processes: `shard_map`'s broadcasts leave each
+        process a different share. A collective: every process must call it."""
+        cross_island, in_island = self.mean(comm.reset_link_bytes()).tolist()
+        return {"bytes_cross_island": cross_island, "bytes_in_island": in_island}
 
     def max(self, value: float) -> float:
         """The largest `value` of all processes: decisions every process must take together."""

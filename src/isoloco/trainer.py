@@ -357,6 +357,7 @@ class Trainer:
                 record_extra: dict[str, Any] = {}
                 if self.diloco:
                     record_extra["bytes_per_worker"] = self.comm.reset_bytes()
+                    record_extra.update(self.dist.link_bytes(self.comm))
                 if self.dropped:
                     record_extra["dropped_workers"] = self.dropped
                 if self._due(cfg.eval_every, start, end) or end == cfg.train_steps:
