@@ -24,7 +24,7 @@ def _fake_run(root: Path, name: str, loss: float | None, finished: bool = True, 
         json.dumps({"step": s, "tokens": s * 256, "train_loss": 9.0, **({"val_loss": v} if s in (3, 6) else {})}) + "\n"
         for s in range(1, 7) for v in [dict(curve).get(s)]))
     if finished:
-        (run / "summary.json").write_text(json.dumps({"final_val_loss": loss, "wall_time_s": 12.5, "tokens": TOKENS,
+        (run / "summary.json").write_text(json.dumps({"final_val_loss": loss, "wall_time_s": 12.5, "cpu_time_s": 10.0, "tokens": TOKENS,
                                                       "processes": processes}))
 
 
@@ -74,6 +74,7 @@ def test_gaps_are_to_the_dp_run_of_the_same_seed_and_averaged_over_seeds(tmp_pat
     assert "| diloco | 2 | 3 | 2 | 4.9000 ± 0.7071 | +9.00 ± 1.41 | 1,536 | 12 ± 0 |" in md
     assert "| isoloco-R8-H3-s0 | isoloco | 8 | 3 | 0 | incomplete | — |" in md
     assert "![Gap to DP vs R](plots/gap_vs_R.png)" in md
+    assert "15 runs, 14 finished; 140 s of CPU time in the training rounds of the 14 that record it" in md
 
 
 def test_several_inner_steps_add_plots_against_h(tmp_path):

@@ -179,6 +179,6 @@ def test_whole_rounds_stops_at_the_last_whole_round_of_the_schedule(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(1, 10))
     assert lines[-1]["lr"] == trainer.workers[0].optimizer.lr_at(8) > trainer.workers[0].optimizer.lr_at(9)
-    assert trainer.summary()["steps"] == 9 and "val_loss" in lines[-1]
+    assert trainer.summary()["steps"] == 9 and "val_loss" in lines[-1] and trainer.summary()["cpu_time_s"] > 0
     dp = train(tmp_path, "dp", method="dp", inner_steps=3, whole_rounds=True)
     assert dp.summary()["steps"] == 10

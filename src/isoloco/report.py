@@ -64,6 +64,7 @@ class RunResult:
     tokens: int
     final_val_loss: float | None  # None until the run has finished (summary.json)
     wall_time_s: float | None
+    cpu_time_s: float | None  # the training process's CPU time in rounds (absent from older runs)
     curve: tuple[tuple[int, float], ...]  # (tokens, validation loss) at each evaluation
     settings: tuple[tuple[str, Any], ...] = ()  # what the run computes: config keys and processes
     variant: str = ""  # the settings that set it apart from other runs of its method, `key=value ...`
@@ -115,7 +116,8 @@ def load_run(run_dir: Path) -> RunResult:
         name=run_dir.name, method=cfg["method"], workers=None if dp else cfg["workers"],
         inner_steps=None if dp else cfg["inner_steps"], seed=cfg["seed"], model=cfg["model"],
         tokens=from_dict(cfg).train_steps * cfg["global_batch"] * cfg["seq_len"], final_val_loss=summary.get("final_val_loss"),
-        wall_time_s=summary.get("wall_time_s"), curve=_read_curve(run_dir / METRICS_FILE),
+        wall_time_s=summary.get("wall_time_s"), cpu_time_s=summary.get("cpu_time_s"),
+        curve=_read_curve(run_dir / METRICS_FILE),
         settings=tuple(sorted(settings.items())))
 
 
@@ -213,10 +215,10 @@ def _csv(header: list[str], rows: Iterable[list[str]]) -> str:
 def results_csv(runs: list[RunResult]) -> str:
     return _csv(
         ["run", "method", "R", "H", "variant", "seed", "model", "tokens", "final_val_loss", "gap_to_dp_pct",
-         "wall_time_s", "status"],
+         "wall_time_s", "cpu_time_s", "status"],
         ([r.name, r.method, _fmt(r.workers, "d"), _fmt(r.inner_steps, "d"), r.variant, str(r.seed), r.model,
           str(r.tokens),
-          _fmt(r.final_val_loss, ".6f"), _fmt(r.gap_pct, ".4f"), _fmt(r.wall_time_s, ".1f"),
+          _fmt(r.final_val_loss, ".6f"), _fmt(r.gap_pct, ".4f"), _fmt(r.wall_time_s, ".1f"), _fmt(r.cpu_time_s, ".1f"),
           "finished" if r.final_val_loss is not None else "incomplete"] for r in runs))
 
 
@@ -247,8 +249,10 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                      plots: list[tuple[str, str]]) -> str:
     finished = [r for r in runs if r.final_val_loss is not None]
     budgets = sorted({r.budget for r in runs})
+    cpu = [r.cpu_time_s for r in finished if r.cpu_time_s is not None]
+    cpu_note = f"; {sum(cpu):,.0f} s of CPU time in the training rounds of the {len(cpu)} that record it" if cpu else ""
     parts = [f"# Results: {title}", "",
-             f"{len(runs)} runs, {len(finished)} finished; "
+             f"{len(runs)} runs, {len(finished)} finished{cpu_note}; "
              + "; ".join(f"model {model}, {tokens:,} training tokens per run" for model, tokens in budgets) + "."]
     if manifest:
         overrides = " ".join(manifest.get("overrides") or []) or "none"
@@ -272,10 +276,11 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                          for g in groups]),
               "", "## Every run", "",
               _md_table(["run", "method", "R", "H", *variant_header, "seed", "final val loss", "gap to DP (%)",
-                         "tokens", "wall time (s)"],
+                         "tokens", "wall time (s)", "CPU time (s)"],
                         [[r.name, r.method, _dash(r.workers), _dash(r.inner_steps), *variant(r), str(r.seed),
                           _fmt(r.final_val_loss, ".4f") or "incomplete", _fmt(r.gap_pct, "+.2f") or "—",
-                          f"{r.tokens:,}", _fmt(r.wall_time_s, ".0f") or "—"] for r in runs])]
+                          f"{r.tokens:,}", _fmt(r.wall_time_s, ".0f") or "—", _fmt(r.cpu_time_s, ".0f") or "—"]
+                         for r in runs])]
     if plots:
         parts += ["", "## Plots", ""] + [f"![{caption}]({PLOT_DIR}/{file})" for file, caption in plots]
     return "\n".join(parts) + "\n"

@@ -133,6 +133,7 @@ class Trainer:
         self.dropped: list[int] = []
         self.step = 0
         self.elapsed = 0.0
+        self.cpu_seconds = 0.0  # this process's CPU time in rounds, summed over resumes
         self.last_val_loss: float | None = None
         # Counts worker steps; `run` replaces it with a visible bar (rounds driven by the
         # benchmarks and the GPU check outside `run` update this silent one).
@@ -276,6 +277,7 @@ class Trainer:
             files[self._workers_file()] = worker_tensors
         state = {
             "elapsed_s": self.elapsed,
+            "cpu_s": self.cpu_seconds,
             "metrics_offset": metrics_offset,
             "last_val_loss": self.last_val_loss,
             "layout": self.dist.layout.describe(),
@@ -321,6 +323,7 @@ class Trainer:
             self.outer.load_state_dict(ckpt.load_tensors(path, "outer", self.device))
         self.step = state["step"]
         self.elapsed = state["elapsed_s"]
+        self.cpu_seconds = state.get("cpu_s", 0.0)  # absent from checkpoints of older versions
         self.last_val_loss = state["last_val_loss"]
         self.say(f"resumed from {path} at step {self.step}")
         return state["metrics_offset"]
@@ -349,10 +352,11 @@ class Trainer:
             while self.step < cfg.train_steps:
                 start = self.step
                 end = min((start // cfg.inner_steps + 1) * cfg.inner_steps, cfg.train_steps)
-                began = time.perf_counter()
+                began, began_cpu = time.perf_counter(), time.process_time()
                 losses = self._round(start, end).tolist()
                 seconds = time.perf_counter() - began
                 self.elapsed += seconds
+                self.cpu_seconds += time.process_time() - began_cpu
                 self.step = end
                 record_extra: dict[str, Any] = {}
                 if self.diloco:
@@ -407,4 +411,5 @@ class Trainer:
             "seed": cfg.seed,
             "processes": self.dist.world_size,
             "wall_time_s": self.elapsed,
+            "cpu_time_s": self.cpu_seconds,
         }
