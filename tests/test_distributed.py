@@ -1,5 +1,5 @@
 """The distributed engine on gloo over 127.0.0.1: every layout trains the same numbers,
-merges move the bytes DESIGN §4 promises, and a lost process stops the run, naming it."""
+merges move the bytes the README promises, and a lost process stops the run, naming it."""
 
 import json
 import os

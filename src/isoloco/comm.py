@@ -7,8 +7,7 @@ interface lets the same code serve the one-process simulator and a `torch.distri
 and lets each rule pick the cheapest collective that is still exact.
 
 Two byte counts are kept. `bytes_sent_per_worker` is what a rule hands to its collectives per
-worker, the same in every layout (its traffic as DESIGN §4 states it). The link counts are
-what this process hands to collectives over each kind of link (see `reset_link_bytes`): the
+worker, the same in every layout. The link counts are what this process hands to collectives over each kind of link (see `reset_link_bytes`): the
 figure a user with slow links between islands plans with, and zero when every worker lives
 in one process.
 """

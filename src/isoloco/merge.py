@@ -1,7 +1,7 @@
 """Merge rules: how the R workers' pseudo-gradients of one parameter become one tensor.
 
 Each rule is written once, against a `Communicator`, and receives only the K deltas of the
-workers held by this process (DESIGN §4). Every rule moves the least data that keeps it
+workers held by this process. Every rule moves the least data that keeps it
 exact — no rule all-gathers full deltas:
 
 * mean, Iso-C, DARE (drop locally first): one all-reduce;
@@ -274,7 +274,7 @@ def iso_cts(deltas: list[torch.Tensor], common_fraction: float = 0.8) -> torch.T
 
 @dataclasses.dataclass
 class MergeConfig:
-    """How worker pseudo-gradients are merged (DESIGN §3)."""
+    """How worker pseudo-gradients are merged (docs/fidelity.md has each rule's definition)."""
 
     rule: str = option(
         "mean",

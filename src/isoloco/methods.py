@@ -1,4 +1,4 @@
-"""Named methods: the paper's configurations (DESIGN §6) as overrides of the run config.
+"""Named methods: the paper's released configurations (docs/fidelity.md) as overrides of the run config.
 
 A method is only a set of default values; every one of them can be overridden with
 `key=value`. Inner learning rates are the paper's for the 178M model.

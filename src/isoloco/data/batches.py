@@ -9,7 +9,7 @@ where perm_e is a permutation of the N windows drawn from a numpy Generator seed
 (seed, e). So within an epoch no window repeats, each epoch is shuffled differently, and
 nothing depends on what was read before: resuming at step s needs only s.
 
-Worker r of R takes sequences [r*B/R, (r+1)*B/R) of each global batch (DESIGN.md §2), so
+Worker r of R takes sequences [r*B/R, (r+1)*B/R) of each global batch, so
 the R workers of a DiLoCo run together see exactly the tokens the data-parallel baseline
 sees at the same step - the invariant that makes DiLoCo (H=1, outer SGD lr 1, inner SGD)
 equal to data-parallel SGD.
