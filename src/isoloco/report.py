@@ -137,6 +137,11 @@ def load_runs(directory: Path) -> list[RunResult]:
     return [replace(r, gap_pct=_gap(r.final_val_loss, reference.get((r.budget, r.seed)))) for r in runs]
 
 
+def _show(value: Any) -> str:
+    """A setting as `key=value` writes it on the command line (lists comma-separated)."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 def _with_variants(runs: list[RunResult]) -> list[RunResult]:
     """Each run with its variant: the settings whose values differ between the runs of its method."""
     by_method: dict[str, list[RunResult]] = {}
@@ -153,7 +158,7 @@ def _with_variants(runs: list[RunResult]) -> list[RunResult]:
         varying = sorted(key for key, seen in values.items() if len(seen) > 1)
         for run in members:
             own = dict(run.settings)
-            labelled.append(replace(run, variant=" ".join(f"{key}={own.get(key)}" for key in varying)))
+            labelled.append(replace(run, variant=" ".join(f"{key}={_show(own.get(key))}" for key in varying)))
     return labelled
 
 
