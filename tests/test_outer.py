@@ -237,16 +237,3 @@ def test_outer_config_defaults():
     cfg.validate()
     assert (cfg.optimizer, cfg.lr, cfg.momentum, cfg.iso_placement) == ("nesterov", 0.7, 0.9, "gradient")
     OuterConfig(optimizer="sgd", momentum=0.0).validate()
-
-
-def test_outer_warmup_scales_the_first_rounds_steps_and_then_holds():
-    """With SGD the step of round k is lr·(k+1)/(n+1) times the merged delta, then lr."""
-    params = make_params()
-    step = outer_step(params, rule="mean", optimizer="sgd", lr=1.5, warmup_rounds=2)
-    for t, factor in enumerate([1 / 3, 2 / 3, 1.0, 1.0]):
-        before = snapshot(params)
-        deltas = make_round_deltas(t)
-        step.step(deltas, round=t)
-        for name, param in params:
-            expected = before[name] - 1.5 * factor * torch.stack(deltas[name]).mean(0)
-            torch.testing.assert_close(param.detach(), expected, rtol=1e-6, atol=1e-7)

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from isoloco.comm import Communicator
-from isoloco.configbase import ConfigError, check_at_least, check_choice, check_positive, check_range, option
+from isoloco.configbase import ConfigError, check_choice, check_positive, check_range, option
 from isoloco.merge import NS_DTYPES, MergeConfig, Merger
 from isoloco.ortho import OrthoMethod, ScaleMethod, iso_correct
 
@@ -32,8 +32,6 @@ class OuterConfig:
     optimizer: str = option("nesterov", "outer optimizer: sgd (no momentum) or nesterov", choices=("sgd", "nesterov"))
     lr: float = option(0.7, "outer learning rate η")
     momentum: float = option(0.9, "Nesterov momentum μ (ignored by sgd)")
-    warmup_rounds: int = option(0, "ramp the outer lr linearly over the first n rounds (round k uses lr·(k+1)/(n+1)); "
-                                   "0 = the paper's constant outer lr")
     iso_placement: str = option(
         "gradient",
         "with merge.rule=iso_c: Iso-C-correct the merged pseudo-gradient before momentum (gradient, "
@@ -45,7 +43,6 @@ class OuterConfig:
         check_choice("outer.optimizer", self.optimizer, ("sgd", "nesterov"))
         check_choice("outer.iso_placement", self.iso_placement, PLACEMENTS)
         check_positive("outer.lr", self.lr)
-        check_at_least("outer.warmup_rounds", self.warmup_rounds, 0)
         check_range("outer.momentum", self.momentum, 0, 1, low_open=False, high_open=True)
         if self.optimizer == "nesterov" and self.momentum == 0:
             raise ConfigError(
@@ -56,11 +53,6 @@ class OuterConfig:
     @property
     def effective_momentum(self) -> float:
         return self.momentum if self.optimizer == "nesterov" else 0.0
-
-    def lr_at(self, round: int) -> float:
-        """The outer lr of round `round` (0-based): a function of the round alone, so a resumed
-        run needs no schedule state."""
-        return self.lr * min(1.0, (round + 1) / (self.warmup_rounds + 1))
 
 
 def validate_combination(merge: MergeConfig, outer: OuterConfig) -> None:
@@ -224,7 +216,6 @@ class OuterStep:
             raise ValueError("parameter names must be unique")
         aggregation = dataclasses.replace(merge, rule="mean") if outer.iso_placement == "update" else merge
         self.merger = Merger(aggregation, comm, seed)
-        self.outer = outer
         self.optimizer = build_outer_optimizer(self.named_params, merge, outer, comm)
 
     def step(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int,
@@ -245,8 +236,6 @@ class OuterStep:
             if merged.shape != param.shape:
                 raise ValueError(f"{name!r}: merged delta has shape {tuple(merged.shape)}, parameter {tuple(param.shape)}")
             param.grad = merged.to(device=param.device, dtype=param.dtype)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.outer.lr_at(round)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
