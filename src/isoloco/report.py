@@ -115,7 +115,9 @@ def load_run(run_dir: Path) -> RunResult:
     return RunResult(
         name=run_dir.name, method=cfg["method"], workers=None if dp else cfg["workers"],
         inner_steps=None if dp else cfg["inner_steps"], seed=cfg["seed"], model=cfg["model"],
-        tokens=from_dict(cfg).train_steps * cfg["global_batch"] * cfg["seq_len"], final_val_loss=summary.get("final_val_loss"),
+        # A finished run says what it trained; an unfinished one is counted by its plan.
+        tokens=summary.get("tokens") or from_dict(cfg).train_steps * cfg["global_batch"] * cfg["seq_len"],
+        final_val_loss=summary.get("final_val_loss"),
         wall_time_s=summary.get("wall_time_s"), cpu_time_s=summary.get("cpu_time_s"),
         curve=_read_curve(run_dir / METRICS_FILE),
         settings=tuple(sorted(settings.items())))
