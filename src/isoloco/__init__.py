@@ -1,3 +1,3 @@
 """isoloco: low-communication distributed training where synchronisation is a model merge."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
