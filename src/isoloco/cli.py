@@ -30,10 +30,9 @@ from isoloco.merge import NonFiniteDeltaError
 from isoloco.stop import StopRequested
 from isoloco.sweep import add_sweep_commands
 from isoloco.watchdog import EXIT_PEER_LOST, PeerLostError
+from isoloco.rundir import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, TOKENIZER_FILE
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
-CONFIG_FILE = "config.yaml"
-RUN_TOKENIZER = "tokenizer.json"
 
 
 class UsageError(ValueError):
@@ -161,7 +160,7 @@ def check_launch(command: list[str], world_size: int) -> int:
         cfg, out = settle_run(train_args)
         layout = ProcessLayout.for_run(cfg, world_size, rank=0)
         if train_args.resume:
-            newest = latest_checkpoint(out / "checkpoints")
+            newest = latest_checkpoint(out / CHECKPOINT_DIR)
             if newest is not None:
                 check_resume_layout(newest, json.loads((newest / "state.json").read_text()), layout.describe())
         load_run_data(cfg)
@@ -183,9 +182,9 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path, say) -> int:
         if not args.resume:
             _prepare_out_dir(out, args.force)
             write_text_atomic(out / CONFIG_FILE, yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        if not (out / RUN_TOKENIZER).exists():
+        if not (out / TOKENIZER_FILE).exists():
             # The run directory carries its tokenizer, so `isoloco export` needs nothing else.
-            write_text_atomic(out / RUN_TOKENIZER, Path(trainer.data.tokenizer_path).read_text())
+            write_text_atomic(out / TOKENIZER_FILE, Path(trainer.data.tokenizer_path).read_text())
     dist.barrier()
     processes = f" x {dist.world_size} processes" if dist.world_size > 1 else ""
     say(f"{cfg.method} ({_recipe(cfg)}): model {cfg.model} with {trainer.num_params:,} parameters, "
@@ -198,7 +197,7 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path, say) -> int:
         return 128 + stopped.signum
     if dist.is_main:
         summary["unigram_baseline"] = trainer.data.unigram_loss
-        write_json_atomic(out / "summary.json", summary)
+        write_json_atomic(out / SUMMARY_FILE, summary)
         print(f"results in {out}")
         print(f"final validation loss {summary['final_val_loss']:.4f} "
               f"(unigram baseline {summary['unigram_baseline']:.4f})")

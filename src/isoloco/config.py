@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from isoloco.configbase import ConfigError, check_at_least, check_choice, check_range, option
+from isoloco.configbase import ConfigError, check_at_least, check_choice, option
 from isoloco.data import DataConfig
 from isoloco.distributed import DistConfig
 from isoloco.inner import InnerConfig

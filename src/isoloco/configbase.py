@@ -15,6 +15,13 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key and the fix."""
 
 
+def first_line(error: BaseException) -> str:
+    """A third-party exception as one short line, for messages that must fit on one line."""
+    text = str(error).strip().splitlines()
+    line = text[0] if text else type(error).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
 def option(default: Any, doc: str, choices: Iterable[Any] | None = None) -> Any:
     """A dataclass field with its one-line doc (and allowed values, when a closed set)."""
     metadata = {"doc": doc}

@@ -33,8 +33,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from isoloco.comm import Communicator, LocalCommunicator, nbytes
-from isoloco.configbase import ConfigError, check_at_least, check_choice, check_positive, option
-from isoloco.data.config import first_line
+from isoloco.configbase import ConfigError, check_at_least, check_choice, check_positive, first_line, option
 from isoloco.watchdog import PeerLostError, PeerWatchdog
 
 if TYPE_CHECKING:

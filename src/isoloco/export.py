@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from isoloco import checkpoint as ckpt
-from isoloco.cli import RUN_TOKENIZER
+from isoloco.rundir import CHECKPOINT_DIR, TOKENIZER_FILE
 from isoloco.config import from_dict
 from isoloco.data.tokenizer import pretrained_tokenizer
 from isoloco.model import build_model
@@ -17,7 +17,7 @@ from isoloco.model import build_model
 def _find_checkpoint(path: Path) -> Path:
     if (path / ckpt.STATE_FILE).is_file():
         return path
-    found = ckpt.load_latest(path / "checkpoints")
+    found = ckpt.load_latest(path / CHECKPOINT_DIR)
     if found is None:
         raise ckpt.CheckpointError(f"{path} is neither a checkpoint nor a run directory with a valid checkpoint")
     return found[0]
@@ -29,9 +29,9 @@ def export(path: Path, out_dir: Path) -> None:
     state = ckpt.verify(checkpoint)
     cfg = from_dict(state["config"])
     run_dir = checkpoint.parent.parent
-    tokenizer_file = run_dir / RUN_TOKENIZER
+    tokenizer_file = run_dir / TOKENIZER_FILE
     if not tokenizer_file.is_file():
-        raise ckpt.CheckpointError(f"{run_dir} has no {RUN_TOKENIZER}; was it written by isoloco train?")
+        raise ckpt.CheckpointError(f"{run_dir} has no {TOKENIZER_FILE}; was it written by isoloco train?")
     tokenizer = pretrained_tokenizer(tokenizer_file)
     weights = ckpt.load_tensors(checkpoint, "global")
     vocab_size = weights["model.embed_tokens.weight"].shape[0]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from isoloco.configbase import ConfigError, check_choice, check_positive, check_range, option
+from isoloco.configbase import check_choice, check_positive, check_range, option
 
 INNER_OPTIMIZERS = ("adamw", "muon", "sgd")
 

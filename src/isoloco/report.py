@@ -33,11 +33,8 @@ import yaml
 from isoloco.config import EXECUTION_KEYS, flatten, from_dict
 from isoloco.configbase import ConfigError
 from isoloco.methods import METHODS
+from isoloco.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, SWEEP_MANIFEST
 
-CONFIG_FILE = "config.yaml"
-SUMMARY_FILE = "summary.json"
-METRICS_FILE = "metrics.jsonl"
-MANIFEST_FILE = "sweep.yaml"
 CSV_FILE = "results.csv"
 SUMMARY_CSV_FILE = "summary.csv"
 MARKDOWN_FILE = "results.md"
@@ -496,7 +493,7 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]]) -> str
 def write_report(directory: Path) -> None:
     runs = load_runs(directory)
     groups = group_runs(runs)
-    manifest_path = directory / MANIFEST_FILE
+    manifest_path = directory / SWEEP_MANIFEST
     manifest = yaml.safe_load(manifest_path.read_text()) if manifest_path.is_file() else None
     plots = write_plots(runs, directory / PLOT_DIR)
     (directory / CSV_FILE).write_text(results_csv(runs))

@@ -1,7 +1,7 @@
 """Checkpoints written by several processes: each writes its part, rank 0 publishes the whole.
 
 State that every process holds alike (θ, the outer optimizer) is written once, by rank 0;
-state only some processes hold (each island's workers' inner optimizers and DARE streams)
+state only some processes hold (each island's workers' inner optimizers)
 is written by those processes. All parts go into one staging directory, and rank 0 writes
 `state.json` — with every part's checksum — and renames the directory into place only after
 every process reported its part complete. So, as with one process (`isoloco.checkpoint`),

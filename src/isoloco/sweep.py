@@ -44,7 +44,7 @@ from isoloco.config import (DEFAULT_PRESET, EXECUTION_KEYS, flatten, from_dict, 
 from isoloco.configbase import ConfigError
 from isoloco.data import DataError
 from isoloco.methods import METHODS
-from isoloco.report import CONFIG_FILE, MANIFEST_FILE, SUMMARY_FILE
+from isoloco.rundir import CONFIG_FILE, SUMMARY_FILE, SWEEP_MANIFEST
 
 #: Grid axes: name in the preset's `sweep:` section -> the run config key it sets.
 AXES = {"methods": "method", "workers": "workers", "inner_steps": "inner_steps", "seeds": "seed"}
@@ -406,7 +406,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
           f"on {'GPUs ' + ','.join(gpus) if gpus else f'{available_cores()} CPU cores'}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     manifest = {"preset": preset, "overrides": raw_overrides, **asdict(grid)}
-    (out / MANIFEST_FILE).write_text(yaml.safe_dump(manifest, sort_keys=False))
+    (out / SWEEP_MANIFEST).write_text(yaml.safe_dump(manifest, sort_keys=False))
     failed = execute(runs, out, job_environments(jobs, gpus, available_cores(), dict(os.environ)))
     if not args.no_report:
         report.write_report(out)

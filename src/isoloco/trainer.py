@@ -43,6 +43,7 @@ from isoloco.metrics import MetricsLog, NullMetricsLog
 from isoloco.model import build_model, count_parameters
 from isoloco.merge import NonFiniteDeltaError
 from isoloco.outer import OuterStep
+from isoloco.rundir import CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR
 from isoloco.stop import GracefulStop, StopRequested
 
 
@@ -255,7 +256,7 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------
 
     def _checkpoint_dir(self) -> Path:
-        return self.out_dir / "checkpoints"
+        return self.out_dir / CHECKPOINT_DIR
 
     def save(self, metrics_offset: int) -> Path:
         """Checkpoint at a round boundary. Rank 0 writes θ and the outer state, which every
@@ -339,8 +340,8 @@ class Trainer:
         offset = self.restore() if resume else None
         tokens_per_step = cfg.global_batch * cfg.seq_len
         log = MetricsLog(
-            self.out_dir / "metrics.jsonl", truncate_to=offset or 0,
-            tensorboard_dir=self.out_dir / "tensorboard" if cfg.log.tensorboard else None,
+            self.out_dir / METRICS_FILE, truncate_to=offset or 0,
+            tensorboard_dir=self.out_dir / TENSORBOARD_DIR if cfg.log.tensorboard else None,
             wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
             run_name=self.out_dir.name, config=to_dict(cfg)) if self.dist.is_main else NullMetricsLog()
         # Workers take their turns one after another: the bar counts each worker's steps.

@@ -27,7 +27,7 @@ import time
 
 import torch.distributed as dist
 
-from isoloco.data.config import first_line
+from isoloco.configbase import first_line
 
 #: Exit status of a process stopped because another process of the run died, hung or failed.
 EXIT_PEER_LOST = 3

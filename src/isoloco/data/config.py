@@ -22,13 +22,6 @@ class DataError(ValueError):
     """The data on disk (or the source named) is unusable; the message names the file and the fix."""
 
 
-def first_line(error: BaseException) -> str:
-    """A third-party exception as one short line, for messages that must fit on one line."""
-    text = str(error).strip().splitlines()
-    line = text[0] if text else type(error).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
-
-
 def umask_mode(mode: int) -> int:
     """`mode` less the process umask: what a plain `open`/`mkdir` would have given.
 

@@ -38,7 +38,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from isoloco.data.config import DataError, first_line
+from isoloco.configbase import first_line
+from isoloco.data.config import DataError
 from isoloco.fileutil import file_sha256
 
 EMBEDDED = "embedded"

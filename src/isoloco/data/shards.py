@@ -37,7 +37,8 @@ from typing import Any, Iterable
 import numpy as np
 
 from isoloco.data.batches import unigram_entropy
-from isoloco.data.config import DataError, first_line, umask_mode
+from isoloco.configbase import first_line
+from isoloco.data.config import DataError, umask_mode
 from isoloco.data.tokenizer import TOKENIZER_FILE, LoadedTokenizer, tokenizer_id_of
 
 FORMAT = "isoloco-token-shards"

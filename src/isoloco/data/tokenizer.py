@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from isoloco.data.config import MIN_BPE_VOCAB, DataError, cache_root, first_line, umask_mode
+from isoloco.configbase import first_line
+from isoloco.data.config import MIN_BPE_VOCAB, DataError, cache_root, umask_mode
 
 EOS_TOKEN = "<|endoftext|>"
 #: End-of-document tokens recognised in a user's tokenizer.json, in order of preference.
