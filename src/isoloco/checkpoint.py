@@ -85,29 +85,9 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
             handle.write(memoryview(data.view(torch.uint8).numpy()))
 
 
-def save_checkpoint(root: Path, step: int, tensor_files: dict[str, dict[str, torch.Tensor]],
-                    state: dict[str, Any], keep: int) -> Path:
-    """Write `tensor_files` (file stem -> tensors) and `state` as checkpoint `step`.
-
-    Older checkpoints beyond the newest `keep` are removed only after the new one is in
-    place. On an OS error (e.g. a full disk) the partial directory is removed, the previous
-    checkpoints stay intact, and the error propagates with a message saying so.
-    """
-    staging = None
-    try:
-        staging = stage_checkpoint(root, step)
-        checksums = {}
-        for stem, tensors in tensor_files.items():
-            checksums.update(write_tensor_file(staging, stem, tensors))
-        final = publish_checkpoint(root, staging, step, checksums, state)
-    except OSError as err:
-        raise abandon_checkpoint(root, staging, step, err.strerror or str(err)) from err
-    prune_checkpoints(root, keep)
-    return final
-
-
-# The steps of `save_checkpoint`, public so that several processes can each write their own
-# tensor files into one staging directory before a single one publishes it.
+# Writing a checkpoint: stage a directory, write the tensor files into it (several processes
+# may each write their own), publish it with state.json and a rename, prune old ones; on an OS
+# error abandon it, keeping the previous checkpoints (`isoloco.sharded_checkpoint.save`).
 
 
 def stage_checkpoint(root: Path, step: int) -> Path:

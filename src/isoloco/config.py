@@ -38,9 +38,6 @@ class LogConfig:
     wandb: bool = option(False, "also log to Weights & Biases (needs the wandb extra; offline unless WANDB_MODE says otherwise)")
     wandb_project: str = option("isoloco", "Weights & Biases project name")
 
-    def validate(self) -> None:
-        pass
-
     def check_installed(self) -> None:
         """Refuse a logger whose extra is not installed, before a run starts (not at import:
         a saved config naming one stays readable, e.g. for `isoloco export`)."""
@@ -138,7 +135,7 @@ class TrainConfig:
             raise ConfigError(
                 f"micro_batch={self.micro_batch} does not divide the {per_worker} sequences each worker takes per "
                 f"step; use a divisor of {per_worker} or 0")
-        for section in (self.data, self.inner, self.outer, self.merge, self.log, self.dist):
+        for section in (self.data, self.inner, self.outer, self.merge, self.dist):
             section.validate()
         validate_combination(self.merge, self.outer)
 

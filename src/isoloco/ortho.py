@@ -95,13 +95,11 @@ def null_rtol(matrix: torch.Tensor) -> float:
 
     rtol = √max(m, n) · eps(dtype): an SVD computes singular values with an absolute error of
     order eps·σ_max times a slowly growing function of the size, so the "zero" singular values
-    of an exactly rank-deficient float32 matrix come out as ~5e-7·σ_max (1024×1024) to
-    ~1e-6·σ_max (32000×1024), below the 3.8e-6 and 2.1e-5 this gives. numpy's worst-case rank
-    tolerance max(m, n)·eps is deliberately not used: Iso-C gives every kept direction the
-    same weight, so dropping a small but genuine direction changes the update by ~1/√r per
-    direction, and square pseudo-gradients do have genuine singular values near 1e-5·σ_max
-    (the smallest of a 1024×1024 rank-16 signal plus noise measured 1.7e-5, under numpy's
-    1.2e-4).
+    of an exactly rank-deficient matrix fall below it. numpy's worst-case rank tolerance
+    max(m, n)·eps is deliberately not used: Iso-C gives every kept direction the same weight,
+    so dropping a small but genuine direction changes the update by ~1/√r per direction, and
+    pseudo-gradients do have genuine singular values between the two thresholds
+    (docs/benchmarks.md, "Thresholds in the code").
     Half-precision inputs are judged at float32 precision, the precision the methods work in.
     """
     dtype = torch.promote_types(matrix.dtype, torch.float32)
@@ -125,9 +123,9 @@ def _tall_view(matrix: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def _svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Thin SVD, computed on the tall orientation in at least float32.
 
-    Tall, because on CPU LAPACK's SVD of the transposed view of a wide matrix was ~3× faster
-    than of the wide matrix itself (1024×2688, one thread); at least float32, because LAPACK
-    has no half precision. If it fails to converge: warn and retry in float64.
+    Tall, because on CPU LAPACK's SVD of a wide matrix is much slower than of its transposed
+    view (docs/benchmarks.md, "Thresholds in the code"); at least float32, because LAPACK has
+    no half precision. If it fails to converge: warn and retry in float64.
     """
     tall, transposed = _tall_view(matrix)
     work_dtype = torch.promote_types(matrix.dtype, torch.float32)
@@ -254,9 +252,8 @@ def _odd_quintic_iteration(
 
 
 #: On CPU, a wide X (r×c) with c at least this many times r iterates on its Gram matrix
-#: (`_gram_space_iteration`). Measured on a 2-core CPU, one thread, bf16: 32000×1024 took
-#: 2.4 s instead of 6.8 s (exact SVD: 6.7 s); at 5440×1536 (aspect 3.5) it was 15% slower
-#: than iterating on X, because its float32 r×r work is no longer small. Of the presets'
+#: (`_gram_space_iteration`): faster for very wide matrices, slower once the float32 r×r work
+#: is no longer small (docs/benchmarks.md, "Thresholds in the code"); of the presets'
 #: matrices only the vocabulary ones (aspect 16 to 128) qualify.
 #: Not on GPUs, whose bfloat16 matmuls are many times faster than the float32 ones this needs.
 NS_GRAM_SPACE_MIN_ASPECT = 8
@@ -329,8 +326,8 @@ def scale_inner(matrix: torch.Tensor, polar: Polar) -> torch.Tensor:
     return (matrix * polar.factor).sum(dim=(-2, -1)) / _rank(matrix)
 
 
-#: Below this aspect ratio `auto` takes the SVD: on square matrices the Gram route is no
-#: faster (measured 0.95x at 1024x1024 on a 2-core CPU), on 1024x2688 and longer 1.3-1.6x.
+#: Below this aspect ratio `auto` takes the SVD: on square matrices the Gram route gains
+#: nothing (docs/benchmarks.md, "Thresholds in the code").
 GRAM_MIN_ASPECT = 1.5
 
 
