@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from isoloco.config import EXECUTION_KEYS, flatten, from_dict
+from isoloco.config import EXECUTION_KEYS, TrainConfig, flatten, from_dict, to_dict
 from isoloco.configbase import ConfigError
 from isoloco.methods import METHODS
 from isoloco.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, SWEEP_MANIFEST
@@ -106,7 +106,9 @@ def load_run(run_dir: Path) -> RunResult:
     summary = json.loads((run_dir / SUMMARY_FILE).read_text()) if (run_dir / SUMMARY_FILE).is_file() else {}
     dp = cfg["algorithm"] == "dp"
     # Everything that changes what the run computes, but the seed and the axes of the tables.
-    settings = {k: tuple(v) if isinstance(v, list) else v for k, v in flatten(cfg).items()
+    # A key an older config lacks has its default value, not a value of its own.
+    saved = {**flatten(to_dict(TrainConfig())), **flatten(cfg)}
+    settings = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
                 if k not in EXECUTION_KEYS and k not in ("seed", "method", "workers", "inner_steps")}
     settings["processes"] = summary.get("processes", 1)
     return RunResult(
@@ -152,8 +154,6 @@ def _with_variants(runs: list[RunResult]) -> list[RunResult]:
         for run in members:
             for key, value in run.settings:
                 values.setdefault(key, set()).add(value)
-        for run in members:  # a key a run lacks (an older config) counts as differing too
-            values.update({key: values[key] | {None} for key in values if key not in dict(run.settings)})
         varying = sorted(key for key, seen in values.items() if len(seen) > 1)
         for run in members:
             own = dict(run.settings)
