@@ -134,7 +134,8 @@ def test_runs_that_differ_in_more_than_the_seed_are_separate_points(tmp_path):
 
 
 def test_compare_pairs_seeds_and_calls_a_difference_only_outside_its_interval(tmp_path):
-    _fake_run(tmp_path, "dp-s0", 4.0, method="dp", workers=1)
+    for seed in range(3):
+        _fake_run(tmp_path, f"dp-s{seed}", 4.0, method="dp", workers=1, seed=seed)
     # isoloco − diloco per seed: R=1: −0.1, +0.1, 0.0 (within the spread); R=4: −0.30, −0.32, −0.28 (called)
     for seed, (d1, d4) in enumerate(((-0.1, -0.30), (0.1, -0.32), (0.0, -0.28))):
         for r, diff in ((1, d1), (4, d4)):
@@ -144,8 +145,11 @@ def test_compare_pairs_seeds_and_calls_a_difference_only_outside_its_interval(tm
     assert main(["report", str(tmp_path), "--compare", "isoloco:diloco"]) == 0
     text = (tmp_path / "compare.md").read_text()
     # R = 1: mean 0, s = 0.1, half-width 4.303 · 0.1 / √3 = 0.2484
-    assert "| 1 | 3 | 3 | +0.0000 ± 0.2484 | within the spread |" in text
+    assert "| 1 | 3 | 3 | +0.0000 ± 0.2484 | within the spread | +12.50 | +12.50 |" in text
     # R = 4: mean −0.30, s = 0.02, half-width 4.303 · 0.02 / √3 = 0.0497
-    assert "| 4 | 3 | 3 | -0.3000 ± 0.0497 | isoloco lower |" in text
+    assert "| 4 | 3 | 3 | -0.3000 ± 0.0497 | isoloco lower | +5.00 | +12.50 |" in text
     assert "from R = 1 to R = 4 (3 seeds): -0.3000 ± 0.2766 (isoloco gains on diloco as R grows)" in text
+    # Against dp: its run of the same seed, at every R.
+    assert main(["report", str(tmp_path), "--compare", "diloco:dp"]) == 0
+    assert "| 4 | 3 | 3 | +0.5000 ± 0.0000 | dp lower | +12.50 | +0.00 |" in (tmp_path / "compare.md").read_text()
     assert main(["report", str(tmp_path), "--compare", "isoloco"]) == 2

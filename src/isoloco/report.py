@@ -449,36 +449,41 @@ def _interval(mean: float, half: float | None) -> str:
 
 def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]]) -> str:
     """For each (A, B): the final-loss difference A − B paired by seed at every R and H both
-    reached with the same seeds, its 95% interval, and whether it is called; with several R,
-    also how the difference changes from the smallest R to the largest, paired by seed."""
-    loss = {(r.method, r.workers, r.inner_steps, r.budget, r.seed): r.final_val_loss
-            for r in runs if r.final_val_loss is not None and not r.variant}
+    reached with the same seeds (B = a dp method: its run of the same seed, at every R and H),
+    its 95% interval, whether it is called, and both methods' mean gaps to DP over those seeds;
+    with several R, also how the difference changes from the smallest R to the largest."""
+    finished = {(r.method, r.workers, r.inner_steps, r.budget, r.seed): r
+                for r in runs if r.final_val_loss is not None and not r.variant}
     parts = ["# Paired comparisons", "",
              "Difference of final validation loss A − B over the seeds both ran (same seed: same initialisation "
              "and data order), mean ± the half-width of its 95% t-interval. A difference is called only when "
-             "the interval excludes 0."]
+             "the interval excludes 0. The gaps to DP are means over the same seeds."]
     for a, b in pairs:
-        points: dict[tuple, dict[int, float]] = {}
-        for (method, workers, inner, budget, seed), value in loss.items():
-            other = loss.get((b, workers, inner, budget, seed))
+        points: dict[tuple, dict[int, tuple[RunResult, RunResult]]] = {}
+        for (method, workers, inner, budget, seed), run in finished.items():
+            other = finished.get((b, workers, inner, budget, seed)) or finished.get((b, None, None, budget, seed))
             if method == a and other is not None:
-                points.setdefault((workers or 0, inner or 0, budget), {})[seed] = value - other
+                points.setdefault((workers or 0, inner or 0, budget), {})[seed] = (run, other)
         rows = []
         for (workers, inner, budget), by_seed in sorted(points.items()):
-            mean, half = mean_ci95(list(by_seed.values()))
+            mean, half = mean_ci95([x.final_val_loss - y.final_val_loss for x, y in by_seed.values()])
+            gaps = [_mean_std([r.gap_pct for r in side if r.gap_pct is not None])[0] for side in zip(*by_seed.values())]
             rows.append([_dash(workers or None), _dash(inner or None), str(len(by_seed)), _interval(mean, half),
-                         _verdict(mean, half, a, b)])
+                         _verdict(mean, half, a, b), *(_fmt(g, "+.2f") or "—" for g in gaps)])
         parts += ["", f"## {a} − {b}", ""]
         if not rows:
             parts.append(f"No point where both {a} and {b} finished with the same seed.")
             continue
-        parts.append(_md_table(["R", "H", "seeds", f"{a} − {b} (final loss)", "call"], rows))
+        parts.append(_md_table(["R", "H", "seeds", f"{a} − {b} (final loss)", "call", f"gap {a} (%)", f"gap {b} (%)"],
+                               rows))
         by_r = {key[0]: seeds for key, seeds in points.items() if key[1] == min(k[1] for k in points)}
         if len(by_r) > 1:
             low, high = min(by_r), max(by_r)
             common = sorted(set(by_r[low]) & set(by_r[high]))
             if common:
-                mean, half = mean_ci95([by_r[high][s] - by_r[low][s] for s in common])
+                change = [(by_r[high][s][0].final_val_loss - by_r[high][s][1].final_val_loss)
+                          - (by_r[low][s][0].final_val_loss - by_r[low][s][1].final_val_loss) for s in common]
+                mean, half = mean_ci95(change)
                 trend = ("one seed: no call" if half is None else "within the spread" if abs(mean) <= half
                          else f"{a} gains on {b} as R grows" if mean < 0 else f"{a} loses ground to {b} as R grows")
                 parts += ["", f"Change of the difference from R = {low} to R = {high} ({len(common)} seeds): "
