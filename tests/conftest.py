@@ -27,6 +27,13 @@ def session_cache(tmp_path_factory):
         os.environ["ISOLOCO_CACHE"] = previous
 
 
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A data cache of this test's own (tests that prepare corpora and check what lands there)."""
+    monkeypatch.setenv("ISOLOCO_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

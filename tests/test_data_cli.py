@@ -13,9 +13,7 @@ from isoloco.data.cli import add_data_commands  # noqa: E402
 DOCUMENTS = [f"line {i} of the corpus, with words like river and stone number {i * 7}" for i in range(60)]
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("ISOLOCO_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("cache")  # a cache of this test's own (conftest)
 
 
 def run(*argv):

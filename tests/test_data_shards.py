@@ -24,10 +24,7 @@ def make_documents(count=120, seed=0):
     return [" ".join(rng.choice(WORDS, size=int(rng.integers(20, 60)))) + "." for _ in range(count)]
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("ISOLOCO_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+pytestmark = pytest.mark.usefixtures("cache")  # a cache of this test's own (conftest)
 
 
 def write_corpus(tmp_path, kind, documents):

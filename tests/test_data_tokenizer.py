@@ -16,10 +16,6 @@ from isoloco.data.tokenizer import (  # noqa: E402
 DOCUMENTS = [f"the cat {i} sat on the mat and the dog {i % 7} ran after it" for i in range(200)]
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("ISOLOCO_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 
 def test_bpe_is_byte_level_with_an_eos_token():

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from safetensors.torch import load_file
 
 from isoloco import checkpoint as ckpt
 from isoloco import merge
@@ -26,8 +25,10 @@ from isoloco.metrics import read_metrics
 from isoloco.model import count_parameters
 from isoloco.trainer import Trainer
 
-SMALL = {"model": "tiny", "seq_len": 32, "global_batch": 8, "steps": 6, "inner_steps": 3, "eval_every": 6,
-         "eval_batch": 8, "data.vocab_size": 512, "data.val_tokens": 1024, "checkpoint_every": 0, "device": "cpu"}
+import helpers
+from helpers import ONE_THREAD_ENV, SMALL_ARGS, assert_close_relative, final_params
+
+SMALL = {**helpers.SMALL, "steps": 6, "inner_steps": 3, "eval_every": 6, "device": "cpu"}
 
 #: One case per merge rule (and IsoLoCo's two placements, and the dp baseline): run name -> overrides.
 #: Iso-CTS runs one round: splitting off the common subspace at a small spectral gap amplifies
@@ -105,17 +106,11 @@ def single_process(tmp: Path, name: str, base: dict = SMALL, preset: str | None 
     return trainer
 
 
-def final_params(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(ckpt.latest_checkpoint(run / "checkpoints") / "global.safetensors"))
-
-
-def assert_close_relative(ours: dict[str, torch.Tensor], reference: list[torch.Tensor], names: list[str],
-                          rtol: float) -> None:
-    """||x - y|| / ||y|| per tensor."""
+def assert_run_close(run: Path, reference: list[torch.Tensor], names: list[str], rtol: float) -> None:
+    """A run directory's final θ against a trainer's global parameters, tensor by tensor."""
+    ours = final_params(run)
     assert set(ours) == set(names)
-    for name, theirs in zip(names, reference, strict=True):
-        error = (torch.linalg.norm(ours[name] - theirs) / torch.linalg.norm(theirs)).item()
-        assert error <= rtol, f"{name}: relative error {error:.2e}"
+    assert_close_relative([ours[name] for name in names], reference, rtol, names)
 
 
 # -- 2 processes x 2 workers == 1 process x 4 workers, every rule ------------------------------
@@ -148,7 +143,7 @@ def one_process_runs(tmp_path_factory) -> dict[str, Trainer]:
 def test_two_processes_train_what_one_process_trains(two_process_runs, one_process_runs, case):
     reference = one_process_runs[case]
     names = [name for name, _ in reference.named_params]
-    assert_close_relative(final_params(two_process_runs / case), reference.global_params, names, 1e-5)
+    assert_run_close(two_process_runs / case, reference.global_params, names, 1e-5)
     initial = Trainer(resolve(None, {**SMALL, **CASES[case]}), two_process_runs / "unused", progress=False)
     assert not torch.equal(initial.global_params[0], reference.global_params[0])  # training moved the weights
     # Train loss is averaged over all workers on all processes; val loss over all windows.
@@ -229,7 +224,7 @@ def two_worker_runs(tmp_path_factory) -> dict[str, Trainer]:
 def test_two_islands_of_two_processes_train_what_two_simulated_workers_train(island_runs, two_worker_runs, case):
     reference = two_worker_runs[case]
     names = [name for name, _ in reference.named_params]
-    assert_close_relative(final_params(island_runs / case), reference.global_params, names, 1e-5)
+    assert_run_close(island_runs / case, reference.global_params, names, 1e-5)
     state = ckpt.verify(ckpt.latest_checkpoint(island_runs / case / "checkpoints"))
     assert state["layout"] == {"workers": 2, "processes": 4, "processes_per_worker": 2}
     assert sorted(state["checksums"]) == ["global.safetensors", "outer.safetensors", "workers-0.safetensors",
@@ -311,10 +306,9 @@ def test_the_split_divides_each_processs_cross_island_bytes_by_g():
 # -- a lost process stops the run ---------------------------------------------------------------
 
 TIMEOUT_S = 10
-CLI_RUN = ["model=tiny", "seq_len=32", "global_batch=8", "steps=40", "inner_steps=5", "workers=2", "eval_every=20",
-           "checkpoint_every=10", "data.vocab_size=512", "data.val_tokens=1024", "device=cpu", "method=isoloco",
-           f"dist.timeout_s={TIMEOUT_S}"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+CLI_RUN = [*SMALL_ARGS, "steps=40", "inner_steps=5", "workers=2", "eval_every=20", "checkpoint_every=10",
+           "method=isoloco", f"dist.timeout_s={TIMEOUT_S}"]
+ENV = ONE_THREAD_ENV
 
 
 def start_rank(rank: int, world_size: int, port: int, *args: str) -> subprocess.Popen:
@@ -416,7 +410,7 @@ def test_resume_after_a_lost_process_matches_an_uninterrupted_run(killed, tmp_pa
     # What `isoloco train` with these items (no preset) resolves to.
     reference = single_process(tmp_path, "reference", base=parse_overrides(CLI_RUN), preset=DEFAULT_PRESET)
     names = [name for name, _ in reference.named_params]
-    assert_close_relative(final_params(killed_run), reference.global_params, names, 1e-5)
+    assert_run_close(killed_run, reference.global_params, names, 1e-5)
     assert [m["step"] for m in read_metrics(killed_run / "metrics.jsonl")] == list(range(1, 41))
 
 

@@ -3,7 +3,6 @@ a full disk keeps the previous checkpoint, resumes always end with the same numb
 
 import errno
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,25 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from isoloco import checkpoint as ckpt
 from isoloco.config import parse_overrides, resolve
 from isoloco.merge import NonFiniteDeltaError
 from isoloco.trainer import Trainer
+from helpers import ONE_THREAD_ENV, SMALL_ARGS, final_params
 
-RUN = ["model=tiny", "seq_len=32", "global_batch=8", "steps=60", "inner_steps=5", "workers=2", "eval_every=20",
-       "checkpoint_every=10", "data.vocab_size=512", "data.val_tokens=1024", "device=cpu", "method=isoloco"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+RUN = [*SMALL_ARGS, "steps=60", "inner_steps=5", "workers=2", "eval_every=20", "checkpoint_every=10",
+       "method=isoloco"]
+ENV = ONE_THREAD_ENV
 
 
 def train_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "isoloco", "train", *args, "--quiet"], capture_output=True,
                           text=True, env=ENV)
-
-
-def final_params(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(ckpt.latest_checkpoint(run / "checkpoints") / "global.safetensors"))
 
 
 @pytest.fixture(scope="module")

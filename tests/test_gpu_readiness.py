@@ -71,9 +71,9 @@ def test_a_deterministic_run_trains_and_repeats_its_bits(tmp_path):
     from isoloco.config import resolve
     from isoloco.trainer import Trainer
 
-    small = {"model": "tiny", "seq_len": 32, "global_batch": 8, "steps": 4, "inner_steps": 2, "workers": 2,
-             "eval_every": 4, "data.vocab_size": 512, "data.val_tokens": 1024, "checkpoint_every": 0,
-             "device": "cpu", "deterministic": True}
+    from helpers import SMALL
+
+    small = {**SMALL, "steps": 4, "inner_steps": 2, "workers": 2, "eval_every": 4, "deterministic": True}
     runs = []
     for name in ("a", "b"):
         trainer = Trainer(resolve(None, small), tmp_path / name, progress=False, say=lambda _m: None)

@@ -27,6 +27,8 @@ from isoloco.outer import OuterConfig
 from isoloco.torchft import RULE_FIT, outer_optimizer
 from isoloco.trainer import Trainer
 
+import helpers
+
 pytest.importorskip("torchft", reason="the torchft extra is not installed: pip install -e '.[torchft]'")
 
 from isoloco.torchft.replica import GroupRun, run_replica_group, start_lighthouse  # noqa: E402
@@ -34,9 +36,7 @@ from isoloco.torchft.replica import GroupRun, run_replica_group, start_lighthous
 pytestmark = pytest.mark.torchft
 
 # The simulator tests' tiny setting (tests/test_trainer.py): 2 workers, 3 outer steps.
-TINY = {"model": "tiny", "seq_len": 32, "global_batch": 8, "steps": 6, "inner_steps": 2, "workers": 2,
-        "eval_every": 6, "eval_batch": 8, "data.vocab_size": 512, "data.val_tokens": 1024,
-        "checkpoint_every": 0, "device": "cpu"}
+TINY = {**helpers.SMALL, "steps": 6, "inner_steps": 2, "workers": 2, "eval_every": 6, "device": "cpu"}
 
 #: Outer steps checked against the simulator: IsoLoCo exact and fast, both placements, and the mean.
 EQUIVALENT = {

@@ -1,7 +1,6 @@
 """The training loop: DiLoCo/data-parallel equivalences, every method runs, resume is exact."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,10 +14,10 @@ from safetensors.torch import load_file
 from isoloco.config import resolve
 from isoloco.methods import METHODS
 from isoloco.trainer import Trainer
-from helpers import TEST_DEVICE
+import helpers
+from helpers import ONE_THREAD_ENV, SMALL_ARGS, assert_close_relative
 
-SMALL = {"model": "tiny", "seq_len": 32, "global_batch": 8, "steps": 10, "eval_every": 10, "eval_batch": 8,
-         "data.vocab_size": 512, "data.val_tokens": 1024, "checkpoint_every": 0, "device": TEST_DEVICE}
+SMALL = {**helpers.SMALL, "steps": 10, "eval_every": 10}
 
 
 def train(tmp_path: Path, name: str, **overrides) -> Trainer:
@@ -27,12 +26,6 @@ def train(tmp_path: Path, name: str, **overrides) -> Trainer:
     (tmp_path / name).mkdir(parents=True, exist_ok=True)
     trainer.run()
     return trainer
-
-
-def assert_close_relative(a: list[torch.Tensor], b: list[torch.Tensor], rtol: float) -> None:
-    """Relative error per tensor, ||x - y|| / ||y|| (Frobenius), at most `rtol`."""
-    for x, y in zip(a, b, strict=True):
-        assert (torch.linalg.norm(x - y) / torch.linalg.norm(y)).item() <= rtol
 
 
 SGD = {"inner.optimizer": "sgd", "inner.lr": 0.2, "inner.grad_clip": 0.0}
@@ -90,8 +83,7 @@ def test_same_seed_same_bits(tmp_path):
 
 # -- killed and resumed through the command line -----------------------------------------
 
-CLI_RUN = ["model=tiny", "seq_len=32", "global_batch=8", "steps=40", "inner_steps=5", "workers=2",
-           "eval_every=10", "checkpoint_every=10", "data.vocab_size=512", "data.val_tokens=1024", "device=cpu",
+CLI_RUN = [*SMALL_ARGS, "steps=40", "inner_steps=5", "workers=2", "eval_every=10", "checkpoint_every=10",
            "method=isoloco"]
 
 
@@ -102,7 +94,7 @@ def final_global(run: Path) -> dict[str, torch.Tensor]:
 
 def isoloco(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "isoloco", *args], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, **kwargs)
+                          env=ONE_THREAD_ENV, **kwargs)
 
 
 def test_killed_run_resumes_to_identical_numbers(tmp_path):
@@ -113,7 +105,7 @@ def test_killed_run_resumes_to_identical_numbers(tmp_path):
     killed = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "isoloco", "train", *CLI_RUN, "--out", str(killed), "--quiet"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env=ONE_THREAD_ENV)
     deadline = time.time() + 120
     while time.time() < deadline and not list((killed / "checkpoints").glob("step_00000020")):
         time.sleep(0.05)
