@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # CPU build of PyTorch; on a GPU machine install the CUDA build of torch>=2.9 first instead.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-fast install bench clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ demo: install
 # One thread per process: several tests start 2-4 training processes at once on 2 cores.
 test: install
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+# The quick subset while editing: no test that starts processes or trains for seconds.
+test-fast: install
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not multiprocess and not slow"
 
 # The short benchmark tables; docs/benchmarks.md has the full ones and how they were made.
 bench: install

@@ -54,6 +54,7 @@ def test_ortho_reference_is_exact_and_fast_paths_have_sane_figures():
         assert math.isfinite(r.error) and 0 <= r.isotropy < 1.5
 
 
+@pytest.mark.slow
 def test_outer_step_fractions_for_every_rule():
     setting = outer.OuterSetting(("tiny",), (4,), global_batch=8, seq_len=16, inner_steps=2, block_steps=1)
     fractions = outer.outer_fractions("tiny", 4, setting, RULE_METHODS, repeats=1, **DATA)
@@ -66,6 +67,7 @@ def test_throughput_ratio_is_positive_and_finite():
     assert positive_finite(throughput.throughput_ratio(case, repeats=1, **DATA))
 
 
+@pytest.mark.multiprocess
 def test_bytes_counted_on_two_processes_match_the_analytic_counts():
     counts = comm.bytes_per_round("tiny", (2, 4), methods=("diloco", "ties", "tsv", "isoloco", "isoloco_fast"))
     one_model = comm.model_bytes("tiny")
@@ -81,6 +83,7 @@ def test_bytes_counted_on_two_processes_match_the_analytic_counts():
     assert {w: counts[w]["tsv"] for w in (2, 4)} == expected_tsv
 
 
+@pytest.mark.multiprocess
 def test_memory_peak_of_a_round_runs_in_a_fresh_process():
     [(growth, params)] = memory.fresh_process_peaks([("tiny", 2, True, 4, 16, "cpu", DATA)])
     # At least the two workers' pseudo-gradients and AdamW moments (12 bytes per parameter each).

@@ -34,6 +34,7 @@ def test_embedded_corpus_text():
     assert "bible" not in sys.modules  # the package's own module is broken; it must never be imported
 
 
+@pytest.mark.slow
 def test_embedded_dataset_is_prepared_once_and_reused(embedded):
     data, again, prepared_in, reopened_in = embedded
     meta = data.meta

@@ -28,6 +28,8 @@ from isoloco.trainer import Trainer
 import helpers
 from helpers import ONE_THREAD_ENV, SMALL_ARGS, assert_close_relative, final_params
 
+pytestmark = pytest.mark.multiprocess
+
 SMALL = {**helpers.SMALL, "steps": 6, "inner_steps": 3, "eval_every": 6, "device": "cpu"}
 
 #: One case per merge rule (and IsoLoCo's two placements, and the dp baseline): run name -> overrides.

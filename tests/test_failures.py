@@ -45,6 +45,7 @@ def assert_same_result(run: Path, reference: Path) -> None:
         assert torch.equal(ours[name], theirs[name]), name
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_writes_a_checkpoint_and_exits_cleanly(tmp_path, reference, signum):
     out = tmp_path / "run"
@@ -67,6 +68,7 @@ def test_signal_writes_a_checkpoint_and_exits_cleanly(tmp_path, reference, signu
     assert_same_result(out, reference)
 
 
+@pytest.mark.multiprocess
 def test_partial_and_damaged_checkpoints_are_skipped(tmp_path, reference):
     out = tmp_path / "run"
     assert train_cli(*RUN, "--out", str(out)).returncode == 0
@@ -141,6 +143,7 @@ def test_bad_worker_error_names_round_worker_and_parameter(tmp_path, monkeypatch
     assert ckpt.verify(newest)["step"] == 10
 
 
+@pytest.mark.slow
 def test_bad_worker_drop_merges_the_others_and_resets_it(tmp_path, monkeypatch):
     poison(monkeypatch, worker_index=1, round_start=10)
     trainer = small_trainer(tmp_path, on_bad_worker="drop")
@@ -181,6 +184,7 @@ def test_dropped_round_equals_merging_the_other_workers(tmp_path, monkeypatch):
     (("workers: 2", "workers: 4"), "resume with the same number of workers"),
     (("vocab_size: 512", "vocab_size: 640"), "another model or vocabulary"),
 ])
+@pytest.mark.multiprocess
 def test_resume_of_a_different_run_is_refused_with_one_line(tmp_path, change, message):
     out = tmp_path / "run"
     assert train_cli(*RUN, "--out", str(out)).returncode == 0

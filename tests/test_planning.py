@@ -32,6 +32,7 @@ def test_the_split_sends_one_island_copy_and_diloco_beats_dp_on_a_slow_link():
     assert latency_only["diloco, split"] == pytest.approx(compute_and_fast + latency + gather)
 
 
+@pytest.mark.slow
 def test_the_command_prints_a_table_and_draws_the_plot(tmp_path, capsys):
     png = tmp_path / "round.png"
     assert planning.main(["--preset", "178m", "--workers", "8", "--gpus-per-worker", "8", "--global-batch", "256",

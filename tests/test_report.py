@@ -4,6 +4,7 @@ import csv
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from isoloco.cli import main
@@ -44,6 +45,7 @@ def _outputs(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in files}
 
 
+@pytest.mark.slow
 def test_report_twice_gives_identical_bytes(tmp_path):
     _grid(tmp_path)
     assert main(["report", str(tmp_path)]) == 0
@@ -133,6 +135,7 @@ def test_runs_that_differ_in_more_than_the_seed_are_separate_points(tmp_path):
     assert "| dp | — | — | — | 2 |" in md  # dp has no variant
 
 
+@pytest.mark.slow
 def test_compare_pairs_seeds_and_calls_a_difference_only_outside_its_interval(tmp_path):
     for seed in range(3):
         _fake_run(tmp_path, f"dp-s{seed}", 4.0, method="dp", workers=1, seed=seed)

@@ -102,6 +102,7 @@ def _mtimes(out: Path) -> dict[str, int]:
     return {p.parent.name: p.stat().st_mtime_ns for p in sorted(out.glob("*/summary.json"))}
 
 
+@pytest.mark.multiprocess
 def test_killed_sweep_finishes_on_rerun_without_redoing_finished_runs(tmp_path, capsys):
     out = tmp_path / "sweep"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

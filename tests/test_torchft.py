@@ -33,7 +33,7 @@ pytest.importorskip("torchft", reason="the torchft extra is not installed: pip i
 
 from isoloco.torchft.replica import GroupRun, run_replica_group, start_lighthouse  # noqa: E402
 
-pytestmark = pytest.mark.torchft
+pytestmark = [pytest.mark.torchft, pytest.mark.multiprocess]
 
 # The simulator tests' tiny setting (tests/test_trainer.py): 2 workers, 3 outer steps.
 TINY = {**helpers.SMALL, "steps": 6, "inner_steps": 2, "workers": 2, "eval_every": 6, "device": "cpu"}

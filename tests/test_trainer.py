@@ -61,6 +61,7 @@ def test_every_method_trains_to_a_finite_loss(tmp_path, method):
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 7))
 
 
+@pytest.mark.slow
 def test_offloaded_workers_give_identical_numbers(tmp_path):
     plain = train(tmp_path, "plain", method="isoloco", workers=2, inner_steps=3)
     offloaded = train(tmp_path, "offloaded", method="isoloco", workers=2, inner_steps=3, offload_workers=True)
@@ -97,6 +98,7 @@ def isoloco(*args: str, **kwargs) -> subprocess.CompletedProcess:
                           env=ONE_THREAD_ENV, **kwargs)
 
 
+@pytest.mark.multiprocess
 def test_killed_run_resumes_to_identical_numbers(tmp_path):
     reference = tmp_path / "reference"
     done = isoloco("train", *CLI_RUN, "--out", str(reference), "--quiet")
