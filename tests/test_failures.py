@@ -112,17 +112,15 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
 
-def poison(monkeypatch, worker_index: int, round_start: int) -> None:
+def poison(trainer: Trainer, worker_index: int, round_start: int) -> Trainer:
     """Make one worker's pseudo-gradient NaN in one round, as a diverged worker's would be."""
-    original = Trainer._run_worker
 
-    def run_worker(self, worker, start, end):
-        losses = original(self, worker, start, end)
+    def spoil(worker, start, end):
         if worker.index == worker_index and start == round_start:
             worker.delta[0].fill_(float("nan"))
-        return losses
 
-    monkeypatch.setattr(Trainer, "_run_worker", run_worker)
+    trainer.after_turn.append(spoil)
+    return trainer
 
 
 def small_trainer(tmp_path: Path, **overrides) -> Trainer:
@@ -132,9 +130,8 @@ def small_trainer(tmp_path: Path, **overrides) -> Trainer:
     return Trainer(cfg, out, progress=False, say=lambda _m: None)
 
 
-def test_bad_worker_error_names_round_worker_and_parameter(tmp_path, monkeypatch):
-    poison(monkeypatch, worker_index=1, round_start=10)
-    trainer = small_trainer(tmp_path)
+def test_bad_worker_error_names_round_worker_and_parameter(tmp_path):
+    trainer = poison(small_trainer(tmp_path), worker_index=1, round_start=10)
     with pytest.raises(NonFiniteDeltaError) as raised:
         trainer.run()
     message = str(raised.value)
@@ -144,9 +141,8 @@ def test_bad_worker_error_names_round_worker_and_parameter(tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_bad_worker_drop_merges_the_others_and_resets_it(tmp_path, monkeypatch):
-    poison(monkeypatch, worker_index=1, round_start=10)
-    trainer = small_trainer(tmp_path, on_bad_worker="drop")
+def test_bad_worker_drop_merges_the_others_and_resets_it(tmp_path):
+    trainer = poison(small_trainer(tmp_path, on_bad_worker="drop"), worker_index=1, round_start=10)
     trainer.run()
     assert all(torch.isfinite(p).all() for p in trainer.global_params)
     assert trainer.last_val_loss is not None and trainer.last_val_loss == trainer.last_val_loss
@@ -155,11 +151,11 @@ def test_bad_worker_drop_merges_the_others_and_resets_it(tmp_path, monkeypatch):
     assert dropped == {15: [1]}
 
 
-def test_dropped_round_equals_merging_the_other_workers(tmp_path, monkeypatch):
+def test_dropped_round_equals_merging_the_other_workers(tmp_path):
     """The round that drops worker 1 applies exactly the merge of workers 0, 2 and 3."""
-    poison(monkeypatch, worker_index=1, round_start=0)
-    trainer = small_trainer(tmp_path, on_bad_worker="drop", steps=5,
-                            **{"merge.rule": "ties", "outer.optimizer": "sgd", "outer.momentum": 0.0})
+    trainer = poison(small_trainer(tmp_path, on_bad_worker="drop", steps=5,
+                                   **{"merge.rule": "ties", "outer.optimizer": "sgd", "outer.momentum": 0.0}),
+                     worker_index=1, round_start=0)
     captured = {}
     original_step = trainer.outer.step
 

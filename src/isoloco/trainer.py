@@ -132,6 +132,9 @@ class Trainer:
             raise ConfigError("on_bad_worker=drop works in a single process only (the simulator); "
                               "use on_bad_worker=error with several processes")
         self.dropped: list[int] = []
+        #: Called after each worker's turn with (worker, start, end), before the merge: where a
+        #: fault-injection test or a debugging probe looks at (or spoils) a worker's delta.
+        self.after_turn: list[Callable[[Worker, int, int], None]] = []
         self.step = 0
         self.elapsed = 0.0
         self.cpu_seconds = 0.0  # this process's CPU time in rounds, summed over resumes
@@ -175,6 +178,12 @@ class Trainer:
 
     # -- one round ---------------------------------------------------------------------------
 
+    def _take_turn(self, worker: Worker, start: int, end: int) -> torch.Tensor:
+        losses = self._run_worker(worker, start, end)
+        for hook in self.after_turn:
+            hook(worker, start, end)
+        return losses
+
     def _run_worker(self, worker: Worker, start: int, end: int) -> torch.Tensor:
         """Train one worker from θ for steps [start, end); return its per-step losses."""
         if self.diloco:
@@ -199,7 +208,7 @@ class Trainer:
     def _round(self, start: int, end: int) -> torch.Tensor:
         """One round (or, for dp, one segment); returns the mean loss per step over all workers
         that were merged (see `on_bad_worker`; the dropped ones are left in `self.dropped`)."""
-        worker_losses = torch.stack([self._run_worker(w, start, end) for w in self.workers])
+        worker_losses = torch.stack([self._take_turn(w, start, end) for w in self.workers])
         round_index = start // self.cfg.inner_steps
         kept = self.workers
         if self.diloco and self.cfg.on_bad_worker == "drop":
