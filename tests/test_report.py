@@ -148,11 +148,11 @@ def test_compare_pairs_seeds_and_calls_a_difference_only_outside_its_interval(tm
     assert main(["report", str(tmp_path), "--compare", "isoloco:diloco"]) == 0
     text = (tmp_path / "compare.md").read_text()
     # R = 1: mean 0, s = 0.1, half-width 4.303 · 0.1 / √3 = 0.2484
-    assert "| 1 | 3 | 3 | +0.0000 ± 0.2484 | within the spread | +12.50 | +12.50 |" in text
+    assert "| 1 | 3 | 3 | +0.0000 ± 0.2484 | within the spread | +12.50 | +12.50 | 1.00 |" in text
     # R = 4: mean −0.30, s = 0.02, half-width 4.303 · 0.02 / √3 = 0.0497
-    assert "| 4 | 3 | 3 | -0.3000 ± 0.0497 | isoloco lower | +5.00 | +12.50 |" in text
+    assert "| 4 | 3 | 3 | -0.3000 ± 0.0497 | isoloco lower | +5.00 | +12.50 | 0.40 |" in text
     assert "from R = 1 to R = 4 (3 seeds): -0.3000 ± 0.2766 (isoloco gains on diloco as R grows)" in text
     # Against dp: its run of the same seed, at every R.
     assert main(["report", str(tmp_path), "--compare", "diloco:dp"]) == 0
-    assert "| 4 | 3 | 3 | +0.5000 ± 0.0000 | dp lower | +12.50 | +0.00 |" in (tmp_path / "compare.md").read_text()
+    assert "| 4 | 3 | 3 | +0.5000 ± 0.0000 | dp lower | +12.50 | +0.00 | — |" in (tmp_path / "compare.md").read_text()
     assert main(["report", str(tmp_path), "--compare", "isoloco"]) == 2

@@ -468,14 +468,16 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]]) -> str
         for (workers, inner, budget), by_seed in sorted(points.items()):
             mean, half = mean_ci95([x.final_val_loss - y.final_val_loss for x, y in by_seed.values()])
             gaps = [_mean_std([r.gap_pct for r in side if r.gap_pct is not None])[0] for side in zip(*by_seed.values())]
+            ratio = gaps[0] / gaps[1] if None not in gaps and gaps[1] else None
             rows.append([_dash(workers or None), _dash(inner or None), str(len(by_seed)), _interval(mean, half),
-                         _verdict(mean, half, a, b), *(_fmt(g, "+.2f") or "—" for g in gaps)])
+                         _verdict(mean, half, a, b), *(_fmt(g, "+.2f") or "—" for g in gaps),
+                         _fmt(ratio, ".2f") or "—"])
         parts += ["", f"## {a} − {b}", ""]
         if not rows:
             parts.append(f"No point where both {a} and {b} finished with the same seed.")
             continue
-        parts.append(_md_table(["R", "H", "seeds", f"{a} − {b} (final loss)", "call", f"gap {a} (%)", f"gap {b} (%)"],
-                               rows))
+        parts.append(_md_table(["R", "H", "seeds", f"{a} − {b} (final loss)", "call", f"gap {a} (%)", f"gap {b} (%)",
+                                "gap ratio"], rows))
         by_r = {key[0]: seeds for key, seeds in points.items() if key[1] == min(k[1] for k in points)}
         if len(by_r) > 1:
             low, high = min(by_r), max(by_r)
