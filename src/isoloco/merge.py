@@ -12,8 +12,8 @@ exact — no rule all-gathers full deltas:
 
 The public pure functions (`mean`, `ties`, `dare`, `tsv`, `iso_c`, `iso_cts`) take a list of
 R tensors, peft-style, and run the same rules on a `LocalCommunicator`. `Merger` is what a
-training loop uses: it applies one configured rule to every parameter, owns DARE's random
-streams, and knows which tensors to leave to the mean. Rules never write into the deltas.
+training loop uses: it applies one configured rule to every parameter, seeds DARE's masks
+by (seed, worker, round, parameter), and knows which tensors to leave to the mean. Rules never write into the deltas.
 """
 
 from __future__ import annotations

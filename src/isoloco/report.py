@@ -101,13 +101,17 @@ def _read_curve(path: Path) -> tuple[tuple[int, float], ...]:
     return tuple(points)
 
 
+#: Every config key at its default, for configs written before a key existed.
+_DEFAULT_SETTINGS = flatten(to_dict(TrainConfig()))
+
+
 def load_run(run_dir: Path) -> RunResult:
     cfg = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
     summary = json.loads((run_dir / SUMMARY_FILE).read_text()) if (run_dir / SUMMARY_FILE).is_file() else {}
     dp = cfg["algorithm"] == "dp"
     # Everything that changes what the run computes, but the seed and the axes of the tables.
     # A key an older config lacks has its default value, not a value of its own.
-    saved = {**flatten(to_dict(TrainConfig())), **flatten(cfg)}
+    saved = {**_DEFAULT_SETTINGS, **flatten(cfg)}
     settings = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
                 if k not in EXECUTION_KEYS and k not in ("seed", "method", "workers", "inner_steps")}
     settings["processes"] = summary.get("processes", 1)
