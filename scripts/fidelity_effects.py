@@ -19,6 +19,7 @@ import math
 import torch
 
 from isoloco import merge
+from isoloco.ortho import IsoSettings
 from isoloco.bench.workload import trained_deltas
 
 
@@ -94,7 +95,7 @@ def main() -> None:
         zero_sums = sum(int((torch.stack([merge._trim(x, 0.9) for x in d]).sum(0) == 0).sum()) for d in everything)
         entries = sum(d[0].numel() for d in everything)
         print(f"| {workers} | {relative([iso_cts_before(d) for d in matrices], cts_now):.2%} "
-              f"| {relative([merge.iso_c(d, ortho='svd') for d in matrices], [iso_c_theirs(d) for d in matrices]):.1e} "
+              f"| {relative([merge.iso_c(d, IsoSettings(ortho='svd')) for d in matrices], [iso_c_theirs(d) for d in matrices]):.1e} "
               f"| {relative([merge.ties(d) for d in everything], [ties_theirs(d) for d in everything]):.1e} "
               f"| {zero_sums} of {entries} "
               f"| {dare_count_deviation(matrices):.2%} |")

@@ -41,7 +41,7 @@ from isoloco.bench.ortho import benchmark_shape
 from isoloco.bench.workload import matrix_shapes
 from isoloco.config import resolve
 from isoloco.methods import METHODS
-from isoloco.ortho import iso_correct
+from isoloco.ortho import IsoSettings, iso_correct
 from isoloco.trainer import Trainer
 
 #: bf16 dense peak of an H100/H200 SXM, TFLOP/s (override with --peak-tflops).
@@ -78,8 +78,8 @@ def exact_paths(setting: Setting) -> Row:
     for rows, cols in matrix_shapes(setting.exact_preset):
         matrix = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols))
         for method in ("svd", "gram"):
-            on_cpu = iso_correct(matrix, method)
-            on_device = iso_correct(matrix.to(setting.device), method).cpu()
+            on_cpu = iso_correct(matrix, IsoSettings(method))
+            on_device = iso_correct(matrix.to(setting.device), IsoSettings(method)).cpu()
             worst = max(worst, ((on_device - on_cpu).norm() / on_cpu.norm()).item())
     return Row(f"exact Iso-C (svd, gram) on {setting.device} vs CPU, {setting.exact_preset} shapes",
                f"largest relative difference {worst:.1e}", worst <= 1e-4)
@@ -99,7 +99,7 @@ def fast_modes(setting: Setting) -> list[Row]:
 
 
 def train(out: Path, **overrides) -> Trainer:
-    trainer = Trainer(resolve(None, {**TINY, **overrides}), out, progress=False, say=lambda _m: None)
+    trainer = Trainer(resolve(None, {**TINY, **overrides}), out, progress=False)
     out.mkdir(parents=True, exist_ok=True)
     trainer.run()
     return trainer
@@ -130,7 +130,7 @@ def dare_resume(setting: Setting, workdir: Path) -> Row:
     shutil.copytree(workdir / "dare-cpu", resumed_dir)
     shutil.rmtree(resumed_dir / "checkpoints" / "step_00000006")  # resume from step 3
     resumed = Trainer(resolve(None, {**TINY, "method": "dare", "device": setting.device}), resumed_dir,
-                      progress=False, say=lambda _m: None)
+                      progress=False)
     resumed.run(resume=True)
     worst = max(((a.cpu() - b).norm() / b.norm()).item()
                 for a, b in zip(resumed.global_params, reference.global_params))

@@ -1,10 +1,12 @@
-"""Suite-wide settings: offline hub, one shared data cache per test session, the test device.
+"""Suite-wide settings: offline hub, one shared data cache per test session, the test device,
+a package logger reset after each test.
 
 `ISOLOCO_TEST_DEVICE` (default cpu) is where the device-agnostic training tests run, e.g.
 `ISOLOCO_TEST_DEVICE=cuda make test` on a GPU machine; tests marked `cuda` need a GPU and are
 skipped, saying so, where torch sees none.
 """
 
+import logging
 import os
 
 import pytest
@@ -25,6 +27,13 @@ def session_cache(tmp_path_factory):
         os.environ.pop("ISOLOCO_CACHE", None)
     else:
         os.environ["ISOLOCO_CACHE"] = previous
+
+
+@pytest.fixture(autouse=True)
+def package_logger_level():
+    """A command run in-process sets the package logger's level (`--quiet`, a rank): not for the next test."""
+    yield
+    logging.getLogger("isoloco").setLevel(logging.NOTSET)
 
 
 @pytest.fixture

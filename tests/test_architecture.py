@@ -8,14 +8,15 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "isoloco"
 
 #: Lowest first; a module may import from its own layer or below. `pkg.*` is a subpackage.
 LAYERS = [
-    ("base", {"isoloco", "isoloco.configbase", "isoloco.fileutil", "isoloco.rundir", "isoloco.methods",
-              "isoloco.stop", "isoloco.cliargs", "isoloco.metrics", "isoloco.launch"}),
+    ("base", {"isoloco", "isoloco.errors", "isoloco.logs", "isoloco.configbase", "isoloco.fileutil",
+              "isoloco.rundir", "isoloco.methods", "isoloco.stop", "isoloco.cliargs", "isoloco.metrics",
+              "isoloco.launch"}),
     ("numerics, data, state", {"isoloco.ortho", "isoloco.comm", "isoloco.model", "isoloco.inner", "isoloco.data.*",
                                "isoloco.watchdog", "isoloco.checkpoint"}),
     ("merge rules", {"isoloco.merge"}),
     ("outer step", {"isoloco.outer"}),
     ("processes and run config", {"isoloco.distributed", "isoloco.sharded_checkpoint", "isoloco.config"}),
-    ("training loop", {"isoloco.trainer"}),
+    ("training loop", {"isoloco.algorithms", "isoloco.trainer"}),
     ("tools on runs", {"isoloco.report", "isoloco.export", "isoloco.bench.*", "isoloco.torchft.*"}),
     ("commands", {"isoloco.sweep", "isoloco.cli", "isoloco.__main__"}),
 ]

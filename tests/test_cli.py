@@ -106,6 +106,12 @@ def test_quick_preset_uses_learning_rates_tuned_for_the_tiny_model(method, outer
     assert (cfg.model, cfg.inner.lr, cfg.outer.lr) == ("tiny", 0.016, outer_lr)
 
 
+def test_a_folder_named_like_a_preset_does_not_hide_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "quick").mkdir()  # e.g. an earlier run's --out quick
+    assert resolve("quick", {}).model == "tiny"  # the shipped preset, not an error about the folder
+
+
 def test_help_shows_the_values_of_the_preset_and_method(capsys):
     assert main(["train", "quick", "method=diloco", "--help"]) == 0
     out = capsys.readouterr().out
@@ -166,7 +172,7 @@ def test_top_level_help_lists_every_command_and_version_is_shown(capsys):
 def test_banner_names_the_recipe_and_timing_is_on_the_round_lines(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *TINY_RUN, "method=diloco", "--out", str(run)]) == 0
-    banner = capsys.readouterr().out.splitlines()[0]
+    banner = capsys.readouterr().err.splitlines()[0]  # a message, on stderr
     assert banner.startswith("diloco (merge mean, outer nesterov lr 0.7, inner adamw lr 0.016): model tiny")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [("wall_time_s" in r, "tokens_per_s" in r) for r in records] == [(r["step"] % 2 == 0,) * 2

@@ -1,6 +1,5 @@
 """`isoloco data prepare` / `data info`: success, and one `error:` line with exit code 2 on bad input."""
 
-import argparse
 import json
 import os
 
@@ -8,7 +7,7 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from isoloco.data.cli import add_data_commands  # noqa: E402
+from isoloco.cli import main  # noqa: E402
 
 DOCUMENTS = [f"line {i} of the corpus, with words like river and stone number {i * 7}" for i in range(60)]
 
@@ -17,10 +16,7 @@ pytestmark = pytest.mark.usefixtures("cache")  # a cache of this test's own (con
 
 
 def run(*argv):
-    parser = argparse.ArgumentParser(prog="isoloco")
-    add_data_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["data", *argv])
-    return args.func(args)
+    return main(["data", *argv])
 
 
 def assert_one_error_line(capsys, *fragments):

@@ -65,7 +65,7 @@ def _train_cases(rank: int, world_size: int, port: int, root: str, cases: dict) 
         for name, overrides in cases.items():
             out = Path(root) / name
             out.mkdir(parents=True, exist_ok=True)
-            Trainer(resolve(None, {**SMALL, **overrides}), out, progress=False, say=lambda _m: None).run()
+            Trainer(resolve(None, {**SMALL, **overrides}), out, progress=False).run()
         _check_shard_map(rank, world_size, Path(root))
 
 
@@ -102,17 +102,18 @@ def run_processes(fn, world_size: int, *args, timeout: float = 300) -> None:
 
 
 def single_process(tmp: Path, name: str, base: dict = SMALL, preset: str | None = None, **overrides) -> Trainer:
-    trainer = Trainer(resolve(preset, {**base, **overrides}), tmp / name, progress=False, say=lambda _m: None)
+    trainer = Trainer(resolve(preset, {**base, **overrides}), tmp / name, progress=False)
     (tmp / name).mkdir(parents=True, exist_ok=True)
     trainer.run()
     return trainer
 
 
-def assert_run_close(run: Path, reference: list[torch.Tensor], names: list[str], rtol: float) -> None:
+def assert_run_close(run: Path, reference: Trainer, rtol: float) -> None:
     """A run directory's final θ against a trainer's global parameters, tensor by tensor."""
+    names = [name for name, _ in reference.named_params]
     ours = final_params(run)
     assert set(ours) == set(names)
-    assert_close_relative([ours[name] for name in names], reference, rtol, names)
+    assert_close_relative([ours[name] for name in names], reference.global_params, rtol, names)
 
 
 # -- 2 processes x 2 workers == 1 process x 4 workers, every rule ------------------------------
@@ -144,8 +145,7 @@ def one_process_runs(tmp_path_factory) -> dict[str, Trainer]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_two_processes_train_what_one_process_trains(two_process_runs, one_process_runs, case):
     reference = one_process_runs[case]
-    names = [name for name, _ in reference.named_params]
-    assert_run_close(two_process_runs / case, reference.global_params, names, 1e-5)
+    assert_run_close(two_process_runs / case, reference, 1e-5)
     initial = Trainer(resolve(None, {**SMALL, **CASES[case]}), two_process_runs / "unused", progress=False)
     assert not torch.equal(initial.global_params[0], reference.global_params[0])  # training moved the weights
     # Train loss is averaged over all workers on all processes; val loss over all windows.
@@ -225,8 +225,7 @@ def two_worker_runs(tmp_path_factory) -> dict[str, Trainer]:
 @pytest.mark.parametrize("case", sorted(ISLAND_CASES))
 def test_two_islands_of_two_processes_train_what_two_simulated_workers_train(island_runs, two_worker_runs, case):
     reference = two_worker_runs[case]
-    names = [name for name, _ in reference.named_params]
-    assert_run_close(island_runs / case, reference.global_params, names, 1e-5)
+    assert_run_close(island_runs / case, reference, 1e-5)
     state = ckpt.verify(ckpt.latest_checkpoint(island_runs / case / "checkpoints"))
     assert state["layout"] == {"workers": 2, "processes": 4, "processes_per_worker": 2}
     assert sorted(state["checksums"]) == ["global.safetensors", "outer.safetensors", "workers-0.safetensors",
@@ -372,7 +371,7 @@ FAILING_RANK = """
 import sys
 from isoloco.config import resolve
 from isoloco.distributed import Distributed, process_group
-from isoloco.watchdog import EXIT_PEER_LOST, PeerLostError
+from isoloco.errors import EXIT_PEER_LOST, PeerLostError
 
 cfg = resolve(None, {"workers": 2, "global_batch": 8, "device": "cpu", "dist.timeout_s": 60})
 try:
@@ -411,8 +410,7 @@ def test_resume_after_a_lost_process_matches_an_uninterrupted_run(killed, tmp_pa
     assert resumed.returncode == 0, resumed.stderr
     # What `isoloco train` with these items (no preset) resolves to.
     reference = single_process(tmp_path, "reference", base=parse_overrides(CLI_RUN), preset=DEFAULT_PRESET)
-    names = [name for name, _ in reference.named_params]
-    assert_run_close(killed_run, reference.global_params, names, 1e-5)
+    assert_run_close(killed_run, reference, 1e-5)
     assert [m["step"] for m in read_metrics(killed_run / "metrics.jsonl")] == list(range(1, 41))
 
 

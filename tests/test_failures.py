@@ -103,7 +103,7 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         real_save(path, tensors)
 
     monkeypatch.setattr(ckpt, "write_safetensors", save_until_full)
-    trainer = Trainer(cfg, out, progress=False, say=lambda _m: None)
+    trainer = Trainer(cfg, out, progress=False)
     with pytest.raises(ckpt.CheckpointError, match="No space left on device.*step_00000010 is intact"):
         trainer.run()
     remaining = ckpt.list_checkpoints(out / "checkpoints")
@@ -127,7 +127,7 @@ def small_trainer(tmp_path: Path, **overrides) -> Trainer:
     cfg = resolve(None, {**parse_overrides(RUN), "workers": 4, "steps": 20, **overrides})
     out = tmp_path / "run"
     out.mkdir()
-    return Trainer(cfg, out, progress=False, say=lambda _m: None)
+    return Trainer(cfg, out, progress=False)
 
 
 def test_bad_worker_error_names_round_worker_and_parameter(tmp_path):
@@ -157,14 +157,15 @@ def test_dropped_round_equals_merging_the_other_workers(tmp_path):
                                    **{"merge.rule": "ties", "outer.optimizer": "sgd", "outer.momentum": 0.0}),
                      worker_index=1, round_start=0)
     captured = {}
-    original_step = trainer.outer.step
+    outer = trainer.algorithm.outer
+    original_step = outer.step
 
-    def step(local_deltas, round, fetch=None):
+    def step(local_deltas, round, fetch=None, workers=None):
         captured["deltas"] = {k: [d.clone() for d in v] for k, v in local_deltas.items()}
-        captured["ids"] = trainer.outer.merger.comm.local_worker_ids
-        return original_step(local_deltas, round, fetch)
+        captured["ids"] = workers
+        return original_step(local_deltas, round, fetch, workers)
 
-    trainer.outer.step = step
+    outer.step = step
     before = [p.detach().clone() for p in trainer.global_params]
     trainer.run()
     assert captured["ids"] == [0, 2, 3]

@@ -76,7 +76,7 @@ def test_a_deterministic_run_trains_and_repeats_its_bits(tmp_path):
     small = {**SMALL, "steps": 4, "inner_steps": 2, "workers": 2, "eval_every": 4, "deterministic": True}
     runs = []
     for name in ("a", "b"):
-        trainer = Trainer(resolve(None, small), tmp_path / name, progress=False, say=lambda _m: None)
+        trainer = Trainer(resolve(None, small), tmp_path / name, progress=False)
         (tmp_path / name).mkdir()
         trainer.run()
         runs.append(trainer)
@@ -112,11 +112,11 @@ def test_checkpoint_files_are_safetensors_written_without_copies_of_the_state(tm
 @pytest.mark.cuda
 @pytest.mark.parametrize("method", ["svd", "gram"])
 def test_exact_orthogonalisation_on_the_gpu_matches_the_cpu(method):
-    from isoloco.ortho import iso_correct
+    from isoloco.ortho import IsoSettings, iso_correct
 
     matrix = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
-    on_gpu = iso_correct(matrix.cuda(), method).cpu()
-    on_cpu = iso_correct(matrix, method)
+    on_gpu = iso_correct(matrix.cuda(), IsoSettings(method)).cpu()
+    on_cpu = iso_correct(matrix, IsoSettings(method))
     assert ((on_gpu - on_cpu).norm() / on_cpu.norm()).item() <= 1e-4
 
 

@@ -12,6 +12,7 @@ from peft.utils import merge_utils
 from isoloco import merge
 from isoloco.comm import Communicator, LocalCommunicator
 from isoloco.configbase import ConfigError
+from isoloco.ortho import IsoSettings
 
 RULE_NAMES = ["mean", "ties", "dare", "tsv", "iso_c", "iso_cts"]
 ORTHOS = ["svd", "gram", "newton_schulz", "polar_express"]
@@ -57,11 +58,12 @@ def test_iso_c_flattens_the_spectrum_of_the_mean(shape):
 @pytest.mark.parametrize("ortho", ORTHOS)
 @pytest.mark.parametrize("scale", ["exact", "rms", "inner"])
 def test_iso_c_fast_paths_are_iso_correct_of_the_mean(ortho, scale):
-    from isoloco.ortho import iso_correct
+    from isoloco.ortho import IsoSettings, iso_correct
 
     deltas = make_deltas(3, (10, 14))
-    expected = iso_correct(torch.stack(deltas).sum(0) / 3, ortho, scale, 5, torch.bfloat16)
-    torch.testing.assert_close(merge.iso_c(deltas, ortho, scale), expected, atol=1e-6, rtol=1e-5)
+    settings = IsoSettings(ortho, scale, 5, "bfloat16")
+    expected = iso_correct(torch.stack(deltas).sum(0) / 3, settings)
+    torch.testing.assert_close(merge.iso_c(deltas, settings), expected, atol=1e-6, rtol=1e-5)
 
 
 def test_merger_iso_c_is_aggregate_then_pure_finalize():
@@ -69,8 +71,8 @@ def test_merger_iso_c_is_aggregate_then_pure_finalize():
     m = merger("iso_c", 3, ortho="gram")
     aggregate = m.aggregate("w", deltas)
     assert torch.equal(aggregate, merge.mean(deltas))
-    assert torch.equal(m.finalize("w", aggregate), merge.iso_c(deltas, ortho="gram"))
-    assert torch.equal(m.merge("w", deltas), merge.iso_c(deltas, ortho="gram"))
+    assert torch.equal(m.finalize("w", aggregate), merge.iso_c(deltas, IsoSettings(ortho="gram")))
+    assert torch.equal(m.merge("w", deltas), merge.iso_c(deltas, IsoSettings(ortho="gram")))
     vector = make_deltas(3, (6,))
     assert torch.equal(m.merge("b", vector), merge.mean(vector))
 

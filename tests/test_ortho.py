@@ -9,6 +9,7 @@ import torch
 from isoloco import ortho
 
 METHODS = list(ortho.POLAR_METHODS)
+SVD = ortho.IsoSettings(ortho="svd")  # the exact reference
 SCALES = list(ortho.SCALE_METHODS)
 
 
@@ -45,7 +46,7 @@ def test_svd_iso_c_matches_numpy(shape):
     polar = ortho.polar_svd(matrix)
     np.testing.assert_allclose(polar.factor.numpy(), u @ vh, atol=1e-12)
     np.testing.assert_allclose(polar.singular_values.numpy(), s, rtol=1e-12)
-    np.testing.assert_allclose(ortho.iso_correct(matrix).numpy(), expected, atol=1e-12)
+    np.testing.assert_allclose(ortho.iso_correct(matrix, SVD).numpy(), expected, atol=1e-12)
 
 
 @pytest.mark.parametrize("shape", [(96, 40), (40, 96), (64, 64)])
@@ -54,7 +55,7 @@ def test_gram_matches_svd(shape):
     exact, gram = ortho.polar_svd(matrix), ortho.polar_gram(matrix)
     assert relative_error(gram.factor, exact.factor) < 1e-4
     assert relative_error(gram.singular_values, exact.singular_values) < 1e-4
-    assert relative_error(ortho.iso_correct(matrix, "gram"), ortho.iso_correct(matrix)) < 1e-4
+    assert relative_error(ortho.iso_correct(matrix, ortho.IsoSettings("gram")), ortho.iso_correct(matrix, SVD)) < 1e-4
 
 
 def test_singular_values_match_svdvals():
@@ -86,8 +87,8 @@ def test_rank_deficient_gives_the_partial_isometry(shape, method, range_toleranc
 
 def test_exact_paths_agree_on_rank_deficient_iso_c():
     matrix = rank_deficient(20, 12, rank=4)
-    exact = ortho.iso_correct(matrix)
-    torch.testing.assert_close(ortho.iso_correct(matrix, "gram"), exact, atol=1e-5, rtol=1e-4)
+    exact = ortho.iso_correct(matrix, SVD)
+    torch.testing.assert_close(ortho.iso_correct(matrix, ortho.IsoSettings("gram")), exact, atol=1e-5, rtol=1e-4)
     expected_scale = torch.linalg.svdvals(matrix.double())[:4].sum() / 12
     torch.testing.assert_close(singular_values_of(exact)[:4], expected_scale.expand(4), rtol=1e-5, atol=0)
 
@@ -96,7 +97,7 @@ def test_exact_paths_agree_on_rank_deficient_iso_c():
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("shape", [(6, 4), (4, 6), (1, 5), (5, 1), (3, 6, 4)])
 def test_zero_matrix_gives_zeros(method, scale, shape):
-    result = ortho.iso_correct(torch.zeros(shape), method, scale)
+    result = ortho.iso_correct(torch.zeros(shape), ortho.IsoSettings(method, scale))
     assert torch.equal(result, torch.zeros(shape))
 
 
@@ -105,7 +106,7 @@ def test_zero_matrix_gives_zeros(method, scale, shape):
 def test_vector_shaped_matrix_is_its_own_iso_c(method, shape):
     """r = 1: one singular value, so the mean changes nothing."""
     matrix = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(ortho.iso_correct(matrix, method), matrix)
+    torch.testing.assert_close(ortho.iso_correct(matrix, ortho.IsoSettings(method)), matrix)
 
 
 @pytest.mark.parametrize("method", ["newton_schulz", "polar_express"])
@@ -183,27 +184,28 @@ def test_scale_estimators_are_as_defined():
 @pytest.mark.parametrize("method", METHODS)
 def test_batched_equals_one_by_one(method):
     batch = torch.stack([signal_plus_noise(12, 20, seed=s) for s in range(3)])
-    together = ortho.iso_correct(batch, method, "inner", ns_dtype=torch.float32)
-    one_by_one = torch.stack([ortho.iso_correct(m, method, "inner", ns_dtype=torch.float32) for m in batch])
+    settings = ortho.IsoSettings(method, "inner", ns_dtype="float32")
+    together = ortho.iso_correct(batch, settings)
+    one_by_one = torch.stack([ortho.iso_correct(m, settings) for m in batch])
     torch.testing.assert_close(together, one_by_one, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_dtype_is_preserved(method):
     matrix = signal_plus_noise(10, 6, dtype=torch.float64)
-    assert ortho.iso_correct(matrix, method).dtype == torch.float64
+    assert ortho.iso_correct(matrix, ortho.IsoSettings(method)).dtype == torch.float64
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_half_precision_input_is_computed_in_float32(method):
     matrix = signal_plus_noise(10, 6)
-    result = ortho.iso_correct(matrix.bfloat16(), method, ns_dtype=torch.float32)
+    result = ortho.iso_correct(matrix.bfloat16(), ortho.IsoSettings(method, ns_dtype="float32"))
     assert result.dtype == torch.bfloat16
-    expected = ortho.iso_correct(matrix.bfloat16().float(), method, ns_dtype=torch.float32)
+    expected = ortho.iso_correct(matrix.bfloat16().float(), ortho.IsoSettings(method, ns_dtype="float32"))
     assert relative_error(result, expected) < 1e-2
 
 
-def test_svd_failure_retries_in_float64(monkeypatch):
+def test_svd_failure_retries_in_float64(monkeypatch, caplog):
     real_svd = torch.linalg.svd
 
     def flaky_svd(matrix, full_matrices=True):
@@ -213,22 +215,25 @@ def test_svd_failure_retries_in_float64(monkeypatch):
 
     monkeypatch.setattr(torch.linalg, "svd", flaky_svd)
     matrix = signal_plus_noise(9, 5)
-    with pytest.warns(RuntimeWarning, match="retrying in float64"):
-        result = ortho.iso_correct(matrix)
+    with caplog.at_level("WARNING", logger="isoloco.ortho"):
+        result = ortho.iso_correct(matrix, SVD)
+    assert "retrying in float64" in caplog.text
     assert result.dtype == torch.float32
     monkeypatch.setattr(torch.linalg, "svd", real_svd)
-    torch.testing.assert_close(result, ortho.iso_correct(matrix), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(result, ortho.iso_correct(matrix, SVD), atol=1e-6, rtol=1e-5)
 
 
 def test_user_errors():
     with pytest.raises(ValueError, match="matrix"):
         ortho.iso_correct(torch.ones(5))
     with pytest.raises(ValueError, match="choose one of"):
-        ortho.iso_correct(torch.ones(2, 2), ortho="qr")
+        ortho.IsoSettings(ortho="qr")
     with pytest.raises(ValueError, match="choose one of"):
-        ortho.iso_correct(torch.ones(2, 2), scale="median")
+        ortho.IsoSettings(scale="median")
+    with pytest.raises(ValueError, match="choose one of"):
+        ortho.IsoSettings(ns_dtype="float16")
     with pytest.raises(ValueError, match="ns_steps"):
-        ortho.iso_correct(torch.ones(2, 2), ortho="newton_schulz", ns_steps=0)
+        ortho.IsoSettings(ortho="newton_schulz", ns_steps=0)
 
 
 def test_auto_takes_gram_for_non_square_and_svd_for_square_matrices():

@@ -7,7 +7,7 @@ import torch
 from isoloco import merge
 from isoloco.comm import LocalCommunicator
 from isoloco.configbase import ConfigError
-from isoloco.ortho import iso_correct
+from isoloco.ortho import IsoSettings, iso_correct
 from isoloco.outer import IsoLoCo, OuterConfig, OuterStep, validate_combination
 
 SHAPES = {"attn.weight": (6, 4), "mlp.weight": (5, 7), "norm.weight": (4,)}
@@ -81,7 +81,7 @@ def test_isoloco_gradient_placement_is_iso_c_merge_then_torch_nesterov():
     isoloco = IsoLoCo([p for _, p in isoloco_params], lr=1.8, momentum=0.8, placement="gradient")
     sgd = torch.optim.SGD([p for _, p in sgd_params], lr=1.8, momentum=0.8, nesterov=True)
     run_rounds(isoloco, isoloco_params, lambda t: [merge.mean(d) for d in make_round_deltas(t).values()])
-    run_rounds(sgd, sgd_params, lambda t: [merge.iso_c(d, ortho="auto") for d in make_round_deltas(t).values()])
+    run_rounds(sgd, sgd_params, lambda t: [merge.iso_c(d, IsoSettings(ortho="auto")) for d in make_round_deltas(t).values()])
     for (_, a), (_, b) in zip(isoloco_params, sgd_params):
         assert torch.equal(a, b)
 
@@ -116,7 +116,7 @@ def test_isoloco_excluded_group_is_plain_nesterov():
 
 def test_isoloco_fast_path_and_user_errors():
     params = make_params()
-    IsoLoCo([p for _, p in params], ortho="newton_schulz", scale="rms")  # accepted
+    IsoLoCo([p for _, p in params], settings=IsoSettings(ortho="newton_schulz", scale="rms"))  # accepted
     with pytest.raises(ValueError, match="placement"):
         IsoLoCo([p for _, p in params], placement="before")
     with pytest.raises(ValueError, match="momentum"):

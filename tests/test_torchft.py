@@ -99,7 +99,7 @@ def torchft_runs(tmp_path_factory) -> dict[str, list[GroupRun]]:
 
 
 def simulate(tmp_path: Path, name: str) -> Trainer:
-    simulator = Trainer(config(**EQUIVALENT[name]), tmp_path / name, progress=False, say=lambda _m: None)
+    simulator = Trainer(config(**EQUIVALENT[name]), tmp_path / name, progress=False)
     (tmp_path / name).mkdir()
     simulator.run()
     return simulator

@@ -22,7 +22,7 @@ SMALL = {**helpers.SMALL, "steps": 10, "eval_every": 10}
 
 def train(tmp_path: Path, name: str, **overrides) -> Trainer:
     cfg = resolve(None, {**SMALL, **overrides})
-    trainer = Trainer(cfg, tmp_path / name, progress=False, say=lambda _m: None)
+    trainer = Trainer(cfg, tmp_path / name, progress=False)
     (tmp_path / name).mkdir(parents=True, exist_ok=True)
     trainer.run()
     return trainer

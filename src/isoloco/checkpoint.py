@@ -11,6 +11,7 @@ Nothing is ever unpickled.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import struct
@@ -20,16 +21,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from isoloco.errors import CheckpointError
 from isoloco.fileutil import file_sha256
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.json"
 _PREFIX = "step_"
 _TMP_PREFIX = ".tmp-"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, damaged or belongs to a different run layout."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -175,13 +175,13 @@ def verify(path: Path) -> dict[str, Any]:
     return state
 
 
-def load_latest(root: Path, warn=print) -> tuple[Path, dict[str, Any]] | None:
+def load_latest(root: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that verifies, falling back to older ones with a warning."""
     for path in reversed(list_checkpoints(root)):
         try:
             return path, verify(path)
         except CheckpointError as err:
-            warn(f"warning: {err}; trying an earlier checkpoint")
+            logger.warning("%s; trying an earlier checkpoint", err)
     return None
 
 

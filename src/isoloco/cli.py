@@ -1,42 +1,35 @@
 """Command line: `isoloco train | launch | sweep | report | data | export`.
 
 User errors (bad keys or values, bad data, an occupied output directory) print one line
-`error: ...` (one per problem) and exit with status 2 before any work starts.
+`error: ...` (one per problem) and exit with status 2 before any work starts; `main` reports
+every error a user can act on this way (`isoloco.errors` has the exit status of each kind).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import yaml
 
-from isoloco import __version__
-from isoloco.checkpoint import CheckpointError, latest_checkpoint, write_json_atomic, write_text_atomic
+from isoloco import __version__, logs
+from isoloco.checkpoint import latest_checkpoint, write_json_atomic, write_text_atomic
 from isoloco.cliargs import add_items, parse_late
 from isoloco.config import (DEFAULT_PRESET, TrainConfig, describe_keys, from_dict, parse_overrides, preset_names,
                             resolve, split_items, to_dict)
-from isoloco.configbase import ConfigError
-from isoloco.data import DataError
 from isoloco.data.cli import add_data_commands
-from isoloco.distributed import CollectiveError, Distributed, ProcessLayout, process_group
+from isoloco.distributed import Distributed, ProcessLayout, process_group
+from isoloco.errors import EXIT_INTERRUPTED, REPORTED, UsageError, describe
 from isoloco.launch import add_launch_command
-from isoloco.merge import NonFiniteDeltaError
 from isoloco.stop import StopRequested
 from isoloco.sweep import add_sweep_commands
-from isoloco.watchdog import EXIT_PEER_LOST, PeerLostError
 from isoloco.rundir import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, TOKENIZER_FILE
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
-
-
-class UsageError(ValueError):
-    """A command-line mistake that is not about a config value."""
+logger = logging.getLogger(__name__)
 
 
 def _check_out_dir(out: Path, force: bool) -> None:
@@ -129,7 +122,7 @@ def train_help(parser: argparse.ArgumentParser, cfg: TrainConfig, items: list[st
 
 def cmd_train(args: argparse.Namespace) -> int:
     args = _parse_train(args)
-    say = (lambda _msg: None) if args.quiet else print
+    logs.setup(quiet=args.quiet)
     if args.help:
         print(train_help(args.parser, _load_run_config(Path(args.resume)) if args.resume
                          else _resolve_items(args.items), args.items))
@@ -141,44 +134,38 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     # Under torchrun every process runs this; one process alone joins nothing.
     with process_group(cfg):
-        return _train(args, cfg, out, say)
+        return _train(args, cfg, out)
 
 
-def check_launch(command: list[str], world_size: int) -> int:
-    """What `isoloco COMMAND` on `world_size` processes would refuse, checked by `isoloco launch`
-    before torchrun starts them: its exit status (0: go), after one line per problem."""
+def check_launch(command: list[str], world_size: int) -> None:
+    """Raise what `isoloco COMMAND` on `world_size` processes would refuse, checked by
+    `isoloco launch` before torchrun starts them."""
     args = build_parser().parse_args(command)
     if getattr(args, "func", None) is not cmd_train:
-        return 0
+        return
+    from isoloco.trainer import check_resume_layout, load_run_data
 
-    def check() -> int:
-        from isoloco.trainer import check_resume_layout, load_run_data
-
-        train_args = _parse_train(args)
-        if train_args.help:
-            return 0
-        cfg, out = settle_run(train_args)
-        layout = ProcessLayout.for_run(cfg, world_size, rank=0)
-        if train_args.resume:
-            newest = latest_checkpoint(out / CHECKPOINT_DIR)
-            if newest is not None:
-                check_resume_layout(newest, json.loads((newest / "state.json").read_text()), layout.describe())
-        load_run_data(cfg)
-        return 0
-
-    return report_errors(check)
+    train_args = _parse_train(args)
+    if train_args.help:
+        return
+    cfg, out = settle_run(train_args)
+    layout = ProcessLayout.for_run(cfg, world_size, rank=0)
+    if train_args.resume:
+        newest = latest_checkpoint(out / CHECKPOINT_DIR)
+        if newest is not None:
+            check_resume_layout(newest, json.loads((newest / "state.json").read_text()), layout.describe())
+    load_run_data(cfg)
 
 
-def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path, say) -> int:
+def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> int:
     from isoloco.trainer import Trainer  # heavy imports only once arguments are known good
 
     dist = Distributed(cfg)
-    say = say if dist.is_main else (lambda _msg: None)  # rank 0 speaks and writes the run's files
     out = dist.broadcast_object(out)  # a default name holds a timestamp: take rank 0's
     # Building the trainer loads and checks the data and the device: fail before touching `out`.
-    trainer = Trainer(cfg, out, dist=dist, progress=not args.quiet and dist.is_main, say=say)
+    trainer = Trainer(cfg, out, dist=dist, progress=not args.quiet and dist.is_main)
     dist.barrier()  # every process checked `out` before rank 0 changes it
-    if dist.is_main:
+    if dist.is_main:  # rank 0 writes the run's files
         if not args.resume:
             _prepare_out_dir(out, args.force)
             write_text_atomic(out / CONFIG_FILE, yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -187,13 +174,13 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path, say) -> int:
             write_text_atomic(out / TOKENIZER_FILE, Path(trainer.data.tokenizer_path).read_text())
     dist.barrier()
     processes = f" x {dist.world_size} processes" if dist.world_size > 1 else ""
-    say(f"{cfg.method} ({_recipe(cfg)}): model {cfg.model} with {trainer.num_params:,} parameters, "
-        f"R={cfg.num_workers}, H={cfg.inner_steps}, {cfg.steps} steps on {trainer.device}{processes}")
+    logger.info("%s (%s): model %s with %s parameters, R=%d, H=%d, %d steps on %s%s", cfg.method, _recipe(cfg),
+                cfg.model, f"{trainer.num_params:,}", cfg.num_workers, cfg.inner_steps, cfg.steps, trainer.device,
+                processes)
     try:
         summary = trainer.run(resume=bool(args.resume))
     except StopRequested as stopped:
-        if dist.is_main:
-            print(f"{stopped}; continue with: isoloco train --resume {out}", file=sys.stderr)
+        logger.log(logs.NOTICE, "%s; continue with: isoloco train --resume %s", stopped, out)
         return 128 + stopped.signum
     if dist.is_main:
         summary["unigram_baseline"] = trainer.data.unigram_loss
@@ -245,40 +232,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def report_errors(action) -> int:
-    """Run `action`, turning the errors a user can fix into `error:` lines and an exit status."""
-    try:
-        return action()
-    except (*USER_ERRORS, UsageError) as err:
-        if _speaks_for_the_job():
-            for problem in str(err).splitlines():
-                print(f"error: {problem}", file=sys.stderr)
-        return 2
-    except (PeerLostError, CollectiveError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_PEER_LOST
-    except (NonFiniteDeltaError, FloatingPointError) as err:
-        print(f"error: {err}; the last checkpoint is intact", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
-
-def _speaks_for_the_job() -> bool:
-    """Rank 0 alone reports a user error: every process of a torchrun job meets the same one
-    (same arguments, same files), and a process that meets its own posts it to the others."""
-    return os.environ.get("RANK", "0") == "0"
-
-
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its errors become `error:` lines and an exit status (`isoloco.errors`),
+    any other exception is a bug and keeps its traceback."""
+    logs.setup()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return report_errors(lambda: args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        return args.func(args)
+    except REPORTED as error:
+        lines, status = describe(error, logs.job_rank())
+        for line in lines:
+            logger.error(line)
+        return status
+    except KeyboardInterrupt:
+        logger.log(logs.NOTICE, "interrupted")
+        return EXIT_INTERRUPTED

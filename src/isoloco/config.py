@@ -19,13 +19,14 @@ from typing import Any
 
 import yaml
 
-from isoloco.configbase import ConfigError, check_at_least, check_choice, option
+from isoloco.configbase import check_at_least, check_choice, check_choices, option
+from isoloco.errors import ConfigError
 from isoloco.data import DataConfig
 from isoloco.distributed import DistConfig
 from isoloco.inner import InnerConfig
 from isoloco.merge import MergeConfig
 from isoloco.methods import METHODS
-from isoloco.model import MODEL_PRESETS, check_model_name
+from isoloco.model import MODEL_PRESETS
 from isoloco.outer import OuterConfig, validate_combination
 
 ALGORITHMS = ("diloco", "dp")
@@ -106,10 +107,16 @@ class TrainConfig:
         """Workers that actually train: dp trains one model on the global batch."""
         return 1 if self.algorithm == "dp" else self.workers
 
+    def check_micro_batch(self, sequences: int, holder: str) -> None:
+        """Refuse a micro_batch that does not divide the `sequences` that `holder` (each worker,
+        or each process of a multi-process run) takes per step."""
+        if self.micro_batch and sequences % min(self.micro_batch, sequences):
+            raise ConfigError(
+                f"micro_batch={self.micro_batch} does not divide the {sequences} sequences {holder} takes per "
+                f"step; use a divisor of {sequences} or 0")
+
     def validate(self) -> None:
-        check_choice("method", self.method, METHODS)
-        check_choice("algorithm", self.algorithm, ALGORITHMS)
-        check_model_name(self.model)
+        check_choices("", self)
         check_at_least("workers", self.workers, 1)
         check_at_least("inner_steps", self.inner_steps, 1)
         check_at_least("global_batch", self.global_batch, 1)
@@ -123,18 +130,13 @@ class TrainConfig:
         check_at_least("eval_batch", self.eval_batch, 1)
         check_at_least("checkpoint_every", self.checkpoint_every, 0)
         check_at_least("keep_checkpoints", self.keep_checkpoints, 1)
-        check_choice("on_bad_worker", self.on_bad_worker, BAD_WORKER_POLICIES)
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"device={self.device!r} is not allowed: use auto, cpu, cuda or cuda:N")
         if self.global_batch % self.num_workers:
             raise ConfigError(
                 f"global_batch={self.global_batch} is not divisible by workers={self.workers}: each worker takes "
                 f"global_batch/workers sequences per step; pick a global_batch that is a multiple of {self.workers}")
-        per_worker = self.global_batch // self.num_workers
-        if per_worker % self.micro_batch_size:
-            raise ConfigError(
-                f"micro_batch={self.micro_batch} does not divide the {per_worker} sequences each worker takes per "
-                f"step; use a divisor of {per_worker} or 0")
+        self.check_micro_batch(self.global_batch // self.num_workers, "each worker")
         for section in (self.data, self.inner, self.outer, self.merge, self.dist):
             section.validate()
         validate_combination(self.merge, self.outer)
@@ -300,7 +302,8 @@ def preset_names() -> list[str]:
 def load_preset(name_or_path: str) -> dict[str, Any]:
     """A preset by name (shipped with the package) or a YAML file path, as dotted keys."""
     path = Path(name_or_path)
-    if name_or_path.endswith((".yaml", ".yml")) or path.exists():
+    # A folder that happens to share a preset's name (a run's --out) does not hide the preset.
+    if name_or_path.endswith((".yaml", ".yml")) or path.is_file():
         if not path.is_file():
             raise ConfigError(f"preset file {name_or_path!r} does not exist")
         text = path.read_text()

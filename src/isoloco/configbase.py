@@ -2,7 +2,7 @@
 
 Each component owns a dataclass config whose fields are declared with `option`, which
 keeps the one-line doc beside the default so `isoloco train --help` can list every key.
-User errors raise `ConfigError` (a `ValueError`) that names the key and what is allowed.
+A bad value raises `ConfigError` (`isoloco.errors`), naming the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -10,16 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the key and the fix."""
-
-
-def first_line(error: BaseException) -> str:
-    """A third-party exception as one short line, for messages that must fit on one line."""
-    text = str(error).strip().splitlines()
-    line = text[0] if text else type(error).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
+from isoloco.errors import ConfigError
 
 
 def option(default: Any, doc: str, choices: Iterable[Any] | None = None) -> Any:
@@ -56,3 +47,11 @@ def check_choice(key: str, value: Any, choices: Iterable[Any]) -> None:
     if value not in choices:
         allowed = ", ".join(str(c) for c in choices)
         raise ConfigError(f"{key}={value!r} is not allowed: choose one of {allowed}")
+
+
+def check_choices(section: str, config: Any) -> None:
+    """Check every field of `config` declared with `choices` (keys named `section.field`)."""
+    for field in dataclasses.fields(config):
+        if "choices" in field.metadata:
+            key = f"{section}.{field.name}" if section else field.name
+            check_choice(key, getattr(config, field.name), field.metadata["choices"])

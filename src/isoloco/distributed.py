@@ -33,8 +33,9 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from isoloco.comm import Communicator, LocalCommunicator, nbytes
-from isoloco.configbase import ConfigError, check_at_least, check_choice, check_positive, first_line, option
-from isoloco.watchdog import PeerLostError, PeerWatchdog
+from isoloco.configbase import check_at_least, check_choice, check_positive, option
+from isoloco.errors import CollectiveError, ConfigError, PeerLostError, first_line
+from isoloco.watchdog import PeerWatchdog
 
 if TYPE_CHECKING:
     from isoloco.config import TrainConfig
@@ -101,11 +102,7 @@ class ProcessLayout:
                     f"step, which its {group} processes cannot split evenly; set global_batch to a multiple of "
                     f"{workers * group}")
         layout = cls(world_size, rank, group, workers)
-        share = layout.rows_per_process(batch)
-        if cfg.micro_batch and share % min(cfg.micro_batch, share):
-            raise ConfigError(
-                f"micro_batch={cfg.micro_batch} does not divide the {share} sequences each process takes per step; "
-                f"use a divisor of {share} or 0")
+        cfg.check_micro_batch(layout.rows_per_process(batch), "each process")
         return layout
 
     @property
@@ -145,10 +142,6 @@ class ProcessLayout:
 
 
 # ------------------------------------------------------------------------- communicator
-
-
-class CollectiveError(RuntimeError):
-    """A torch.distributed collective failed: usually a peer died or stopped answering."""
 
 
 @contextmanager

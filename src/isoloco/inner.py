@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from isoloco.configbase import check_choice, check_positive, check_range, option
+from isoloco.configbase import check_choices, check_positive, check_range, option
 
 INNER_OPTIMIZERS = ("adamw", "muon", "sgd")
 
@@ -25,7 +25,7 @@ class InnerConfig:
     min_lr_ratio: float = option(0.1, "learning rate at the start of warm-up and end of cosine decay, as a fraction of peak")
 
     def validate(self) -> None:
-        check_choice("inner.optimizer", self.optimizer, INNER_OPTIMIZERS)
+        check_choices("inner", self)
         check_positive("inner.lr", self.lr)
         check_range("inner.weight_decay", self.weight_decay, 0.0, math.inf, low_open=False, high_open=True)
         check_range("inner.beta1", self.beta1, 0.0, 1.0, low_open=False, high_open=True)

@@ -20,6 +20,8 @@ import socket
 import sys
 from typing import Callable
 
+from isoloco.errors import UsageError
+
 DEFAULT_PORT = 29500
 
 
@@ -34,7 +36,7 @@ def launched_command(args: argparse.Namespace) -> list[str]:
     """The isoloco command (after `--`) that every process runs."""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        raise ValueError("isoloco launch needs the isoloco command to run after --, "
+        raise UsageError("isoloco launch needs the isoloco command to run after --, "
                          "e.g. isoloco launch --nproc 2 -- train quick")
     return command
 
@@ -43,12 +45,12 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     """The torchrun command line for parsed `isoloco launch` arguments."""
     command = launched_command(args)
     if args.nproc < 1 or args.nnodes < 1:
-        raise ValueError(f"--nproc {args.nproc} and --nnodes {args.nnodes} must both be >= 1")
+        raise UsageError(f"--nproc {args.nproc} and --nnodes {args.nnodes} must both be >= 1")
     if args.nnodes > 1 and args.master_addr is None:
-        raise ValueError(f"--nnodes {args.nnodes} needs --master-addr: the address of node 0, reachable from "
+        raise UsageError(f"--nnodes {args.nnodes} needs --master-addr: the address of node 0, reachable from "
                          "every node (and the same --master-port on every node)")
     if not 0 <= args.node_rank < args.nnodes:
-        raise ValueError(f"--node-rank {args.node_rank} is not allowed: it must be in [0, {args.nnodes})")
+        raise UsageError(f"--node-rank {args.node_rank} is not allowed: it must be in [0, {args.nnodes})")
     addr = args.master_addr or "127.0.0.1"
     port = args.master_port or (free_port(addr) if args.nnodes == 1 else DEFAULT_PORT)
     return [sys.executable, "-m", "torch.distributed.run",
@@ -58,23 +60,17 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    try:
-        argv = torchrun_argv(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    argv = torchrun_argv(args)
     # torchrun reports a process's refusal as its own failure (status 1 and a traceback).
-    status = args.check_command(launched_command(args), args.nproc * args.nnodes)
-    if status:
-        return status
+    args.check_command(launched_command(args), args.nproc * args.nnodes)
     sys.stdout.flush()
     os.execv(argv[0], argv)
 
 
 def add_launch_command(subparsers: argparse._SubParsersAction,
-                       check_command: Callable[[list[str], int], int]) -> argparse.ArgumentParser:
-    """Register `launch`; `check_command(command, processes)` returns the exit status of what the
-    processes would refuse (0: start them)."""
+                       check_command: Callable[[list[str], int], None]) -> argparse.ArgumentParser:
+    """Register `launch`; `check_command(command, processes)` raises what the processes would
+    refuse (a `UserError`), before any starts."""
     launch = subparsers.add_parser(
         "launch", help="run an isoloco command on several processes / machines with torchrun",
         formatter_class=argparse.RawDescriptionHelpFormatter,

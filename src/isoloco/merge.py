@@ -10,32 +10,27 @@ exact — no rule all-gathers full deltas:
 * Iso-CTS: an all-reduce of the mean for the common subspace, then an all-gather of each
   worker's residual factors.
 
-The public pure functions (`mean`, `ties`, `dare`, `tsv`, `iso_c`, `iso_cts`) take a list of
-R tensors, peft-style, and run the same rules on a `LocalCommunicator`. `Merger` is what a
-training loop uses: it applies one configured rule to every parameter, seeds DARE's masks
-by (seed, worker, round, parameter), and knows which tensors to leave to the mean. Rules never write into the deltas.
+`RULES` registers each rule once; `MergeConfig.applies` decides, in one place, which tensors
+a rule leaves to the mean (non-matrices and excluded names, for the spectral rules).
+`Merger` is what a training loop uses: it applies the configured rule to every parameter and
+seeds DARE's masks by (seed, worker, round, parameter). The peft-style functions (`mean`,
+`ties`, `dare`, `tsv`, `iso_c`, `iso_cts`) take a list of R tensors and go through the same
+registry in this process. Rules never write into the deltas.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
-import functools
 import hashlib
 from typing import Callable, Mapping, Sequence
 
 import torch
 
 from isoloco.comm import Communicator, LocalCommunicator
-from isoloco.configbase import ConfigError, check_at_least, check_choice, check_range, option
-from isoloco.ortho import OrthoMethod, ScaleMethod, iso_correct, polar_svd, thin_svd
-
-NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-class NonFiniteDeltaError(ValueError):
-    """A worker's pseudo-gradient contains NaN or inf (its inner training diverged)."""
+from isoloco.configbase import check_at_least, check_choices, check_range, option
+from isoloco.errors import ConfigError, NonFiniteDeltaError
+from isoloco.ortho import NS_DTYPES, POLAR_METHODS, SCALE_METHODS, IsoSettings, iso_correct, polar_svd, thin_svd
 
 
 # ---------------------------------------------------------------------------- the rules
@@ -97,18 +92,6 @@ def dare_rule(
     return comm.mean(dropped)
 
 
-def _matrices_only(rule: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Spectral rules act on matrices; every other tensor (norm gains, biases) takes the mean."""
-
-    @functools.wraps(rule)
-    def rule_or_mean(deltas: list[torch.Tensor], comm: Communicator, **knobs) -> torch.Tensor:
-        if deltas[0].ndim != 2:
-            return mean_rule(deltas, comm)
-        return rule(deltas, comm, **knobs)
-
-    return rule_or_mean
-
-
 def _top_factors(matrix: torch.Tensor, k: int, largest: torch.Tensor | None = None) -> torch.Tensor:
     """The top-k SVD factors of a matrix packed as one (m + 1 + n) × k tensor [U_k; S_k; V_k],
     so a worker's factors travel in one all-gather (`largest`: see `thin_svd`)."""
@@ -132,7 +115,6 @@ def tsv_components(rank: int, workers: int) -> int:
     return max(1, rank // workers)
 
 
-@_matrices_only
 def tsv_rule(deltas: list[torch.Tensor], comm: Communicator) -> torch.Tensor:
     """TSV: each worker's top k = `tsv_components(r, R)` singular triplets, stacked and decorrelated.
 
@@ -143,24 +125,6 @@ def tsv_rule(deltas: list[torch.Tensor], comm: Communicator) -> torch.Tensor:
     k = tsv_components(min(rows, cols), comm.num_workers)
     u, s, v = _gather_factors([_top_factors(delta, k) for delta in deltas], comm, rows)
     return _assemble(u, s, v)
-
-
-@_matrices_only
-def iso_c_rule(
-    deltas: list[torch.Tensor],
-    comm: Communicator,
-    *,
-    ortho: OrthoMethod = "svd",
-    scale: ScaleMethod = "exact",
-    ns_steps: int = 5,
-    ns_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """Iso-C: the mean delta with every singular value replaced by their mean.
-
-    Aggregation (one all-reduce) and the pure `iso_correct` of the aggregate are separate
-    steps, so a distributed engine can shard the correction of many matrices over processes.
-    """
-    return iso_correct(mean_rule(deltas, comm), ortho, scale, ns_steps, ns_dtype)
 
 
 def iso_cts_split(rank: int, workers: int, common_fraction: float) -> tuple[int, int]:
@@ -174,7 +138,6 @@ def iso_cts_split(rank: int, workers: int, common_fraction: float) -> tuple[int,
     return rank - workers * per_worker, per_worker
 
 
-@_matrices_only
 def iso_cts_rule(deltas: list[torch.Tensor], comm: Communicator, *, common_fraction: float) -> torch.Tensor:
     """Iso-CTS: Iso-C's common subspace plus each worker's own top directions outside it.
 
@@ -202,7 +165,105 @@ def iso_cts_rule(deltas: list[torch.Tensor], comm: Communicator, *, common_fract
     return _assemble(u_c, s_c.mean().expand(rank), v_c)
 
 
-# ------------------------------------------------------------------- public pure functions
+
+# ---------------------------------------------------------------------------- the registry
+
+
+@dataclasses.dataclass
+class RuleContext:
+    """What a rule may need beyond the deltas and the communicator."""
+
+    config: MergeConfig
+    generators: Sequence[torch.Generator | None]  # DARE: one per local worker (None: torch's global one)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A merge rule, split at its last collective.
+
+    `aggregate` does everything that needs the communicator; `finalize` is an optional pure
+    function of its result, kept apart so a distributed engine can aggregate every parameter
+    first and then share the (costly) finalize steps out among processes. A `spectral` rule
+    acts on matrices only: `applies` sends every other tensor, and every matrix the config
+    excludes, to the mean.
+    """
+
+    aggregate: Callable[[list[torch.Tensor], Communicator, RuleContext], torch.Tensor]
+    spectral: bool = False
+    finalize: Callable[[torch.Tensor, MergeConfig], torch.Tensor] | None = None
+
+
+RULES: dict[str, Rule] = {
+    "mean": Rule(lambda d, comm, ctx: mean_rule(d, comm)),
+    "ties": Rule(lambda d, comm, ctx: ties_rule(d, comm, density=ctx.config.density)),
+    "dare": Rule(lambda d, comm, ctx: dare_rule(d, comm, drop_rate=ctx.config.drop_rate, generators=ctx.generators)),
+    "tsv": Rule(lambda d, comm, ctx: tsv_rule(d, comm), spectral=True),
+    # Iso-C: the mean (one all-reduce), then the pure correction of it.
+    "iso_c": Rule(lambda d, comm, ctx: mean_rule(d, comm), spectral=True,
+                  finalize=lambda aggregate, config: iso_correct(aggregate, config.iso)),
+    "iso_cts": Rule(lambda d, comm, ctx: iso_cts_rule(d, comm, common_fraction=ctx.config.common_fraction),
+                    spectral=True),
+}
+
+
+# ------------------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass
+class MergeConfig:
+    """How worker pseudo-gradients are merged (docs/fidelity.md has each rule's definition)."""
+
+    rule: str = option("mean", "aggregation rule for the workers' pseudo-gradients", choices=RULES)
+    density: float = option(0.9, "TIES: fraction of each delta's entries kept, by magnitude")
+    drop_rate: float = option(0.1, "DARE: probability of dropping each entry")
+    common_fraction: float = option(0.8, "Iso-CTS: fraction of the rank given to the common subspace")
+    ortho: str = option(
+        IsoSettings.ortho,
+        "Iso-C orthogonalisation: exact auto (gram for non-square, svd for square matrices), svd or gram; "
+        "or approximate newton_schulz / polar_express",
+        choices=POLAR_METHODS,
+    )
+    scale: str = option(
+        IsoSettings.scale, "Iso-C singular value: exact mean, rms (‖M‖_F/√r) or inner (⟨M, polar(M)⟩/r)",
+        choices=SCALE_METHODS,
+    )
+    ns_steps: int = option(IsoSettings.ns_steps, "iterations of newton_schulz / polar_express")
+    ns_dtype: str = option(IsoSettings.ns_dtype, "dtype of the newton_schulz / polar_express iterations",
+                           choices=NS_DTYPES)
+    exclude: list[str] = option(
+        [],
+        "fnmatch patterns of parameter names whose 2-D tensors skip the spectral rules "
+        "(tsv, iso_c, iso_cts) and take the mean; empty = correct every matrix",
+    )
+
+    def validate(self) -> None:
+        check_choices("merge", self)
+        check_range("merge.density", self.density, 0, 1, low_open=True, high_open=False)
+        check_range("merge.drop_rate", self.drop_rate, 0, 1, low_open=False, high_open=True)
+        check_range("merge.common_fraction", self.common_fraction, 0, 1, low_open=True, high_open=False)
+        check_at_least("merge.ns_steps", self.ns_steps, 1)
+        if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
+            raise ConfigError(
+                f"merge.exclude={self.exclude!r} is not allowed: it must be a list of name patterns, "
+                f"e.g. ['*embed_tokens*', 'lm_head.weight']"
+            )
+
+    @property
+    def iso(self) -> IsoSettings:
+        """The Iso-C settings these keys describe."""
+        return IsoSettings(self.ortho, self.scale, self.ns_steps, self.ns_dtype)
+
+    def excludes(self, name: str) -> bool:
+        """Whether parameter `name` matches one of the `exclude` patterns."""
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude)
+
+    def applies(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether the rule itself merges parameter `name` (else the mean does): a spectral
+        rule takes only the matrices it is not told to exclude."""
+        return not RULES[self.rule].spectral or (tensor.ndim == 2 and not self.excludes(name))
+
+
+# ------------------------------------------------------------------------------- merging
 
 
 def check_finite(name: str, deltas: list[torch.Tensor], worker_ids: list[int], round: int | None = None) -> None:
@@ -217,159 +278,22 @@ def check_finite(name: str, deltas: list[torch.Tensor], worker_ids: list[int], r
             )
 
 
-def _local(deltas: list[torch.Tensor]) -> Communicator:
-    if not deltas:
-        raise ValueError("a merge needs at least one delta")
-    check_finite("tensor", deltas, list(range(len(deltas))))
-    return LocalCommunicator(len(deltas))
+def aggregate(config: MergeConfig, name: str, deltas: list[torch.Tensor], comm: Communicator,
+              generators: Sequence[torch.Generator | None] = ()) -> torch.Tensor:
+    """The collective part of merging parameter `name`: its rule's, or the mean where the rule
+    does not apply (every process must call it, in the same order)."""
+    if not config.applies(name, deltas[0]):
+        return mean_rule(deltas, comm)
+    return RULES[config.rule].aggregate(deltas, comm, RuleContext(config, generators))
 
 
-def mean(deltas: list[torch.Tensor]) -> torch.Tensor:
-    """Task arithmetic: the mean of the deltas."""
-    return mean_rule(deltas, _local(deltas))
+def finalize(config: MergeConfig, name: str, aggregated: torch.Tensor) -> torch.Tensor:
+    """The pure, per-tensor rest of the merge of `name` (any one process may run it)."""
+    return aggregated if not needs_finalize(config, name, aggregated) else RULES[config.rule].finalize(aggregated, config)
 
 
-def ties(deltas: list[torch.Tensor], density: float = 0.9) -> torch.Tensor:
-    """TIES merge (trim to `density`, elect sign, disjoint mean); see `ties_rule`."""
-    return ties_rule(deltas, _local(deltas), density=density)
-
-
-def dare(
-    deltas: list[torch.Tensor],
-    drop_rate: float = 0.1,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-) -> torch.Tensor:
-    """DARE merge; `generator` is one generator drawn from for every delta in order, one
-    generator per delta, or None for torch's global generator."""
-    comm = _local(deltas)
-    generators = generator if isinstance(generator, list) else [generator] * len(deltas)
-    if len(generators) != len(deltas):
-        raise ValueError(f"got {len(generators)} generators for {len(deltas)} deltas: pass one per delta")
-    return dare_rule(deltas, comm, drop_rate=drop_rate, generators=generators)
-
-
-def tsv(deltas: list[torch.Tensor]) -> torch.Tensor:
-    """Task Singular Vectors merge (2-D tensors; others take the mean)."""
-    return tsv_rule(deltas, _local(deltas))
-
-
-def iso_c(
-    deltas: list[torch.Tensor],
-    ortho: OrthoMethod = "svd",
-    scale: ScaleMethod = "exact",
-    ns_steps: int = 5,
-    ns_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """Iso-C merge (2-D tensors; others take the mean)."""
-    return iso_c_rule(deltas, _local(deltas), ortho=ortho, scale=scale, ns_steps=ns_steps, ns_dtype=ns_dtype)
-
-
-def iso_cts(deltas: list[torch.Tensor], common_fraction: float = 0.8) -> torch.Tensor:
-    """Iso-CTS merge (2-D tensors; others take the mean)."""
-    return iso_cts_rule(deltas, _local(deltas), common_fraction=common_fraction)
-
-
-# ------------------------------------------------------------------------- configuration
-
-
-@dataclasses.dataclass
-class MergeConfig:
-    """How worker pseudo-gradients are merged (docs/fidelity.md has each rule's definition)."""
-
-    rule: str = option(
-        "mean",
-        "aggregation rule for the workers' pseudo-gradients",
-        choices=("mean", "ties", "dare", "tsv", "iso_c", "iso_cts"),
-    )
-    density: float = option(0.9, "TIES: fraction of each delta's entries kept, by magnitude")
-    drop_rate: float = option(0.1, "DARE: probability of dropping each entry")
-    common_fraction: float = option(0.8, "Iso-CTS: fraction of the rank given to the common subspace")
-    ortho: str = option(
-        "auto",
-        "Iso-C orthogonalisation: exact auto (gram for non-square, svd for square matrices), svd or gram; "
-        "or approximate newton_schulz / polar_express",
-        choices=("auto", "svd", "gram", "newton_schulz", "polar_express"),
-    )
-    scale: str = option(
-        "exact",
-        "Iso-C singular value: exact mean, rms (‖M‖_F/√r) or inner (⟨M, polar(M)⟩/r)",
-        choices=("exact", "rms", "inner"),
-    )
-    ns_steps: int = option(5, "iterations of newton_schulz / polar_express")
-    ns_dtype: str = option(
-        "bfloat16", "dtype of the newton_schulz / polar_express iterations", choices=("bfloat16", "float32")
-    )
-    exclude: list[str] = option(
-        [],
-        "fnmatch patterns of parameter names whose 2-D tensors skip the spectral rules "
-        "(tsv, iso_c, iso_cts) and take the mean; empty = correct every matrix",
-    )
-
-    def validate(self) -> None:
-        for field in dataclasses.fields(self):
-            if "choices" in field.metadata:
-                check_choice(f"merge.{field.name}", getattr(self, field.name), field.metadata["choices"])
-        check_range("merge.density", self.density, 0, 1, low_open=True, high_open=False)
-        check_range("merge.drop_rate", self.drop_rate, 0, 1, low_open=False, high_open=True)
-        check_range("merge.common_fraction", self.common_fraction, 0, 1, low_open=True, high_open=False)
-        check_at_least("merge.ns_steps", self.ns_steps, 1)
-        if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
-            raise ConfigError(
-                f"merge.exclude={self.exclude!r} is not allowed: it must be a list of name patterns, "
-                f"e.g. ['*embed_tokens*', 'lm_head.weight']"
-            )
-
-    def excludes(self, name: str) -> bool:
-        """Whether parameter `name` matches one of the `exclude` patterns."""
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude)
-
-
-# ------------------------------------------------------------------------------- merger
-
-
-@dataclasses.dataclass
-class RuleContext:
-    """What a rule may need beyond the deltas and the communicator."""
-
-    config: MergeConfig
-    generators: list[torch.Generator]  # one per local worker (DARE)
-
-
-def iso_c_finalize(aggregate: torch.Tensor, config: MergeConfig) -> torch.Tensor:
-    """Iso-C's pure step: the configured `iso_correct` of the mean delta."""
-    return iso_correct(aggregate, config.ortho, config.scale, config.ns_steps, NS_DTYPES[config.ns_dtype])
-
-
-@dataclasses.dataclass(frozen=True)
-class RuleEntry:
-    """A registered rule, split at its last collective.
-
-    `aggregate` does everything that needs the communicator and returns one tensor per
-    parameter; `finalize(tensor, config)` is an optional pure function of it, run only
-    on the 2-D tensors a spectral rule corrects. Keeping the two apart lets a distributed
-    engine aggregate every parameter, then shard the (costly) finalize over processes.
-    `spectral` rules act on 2-D tensors and honour `MergeConfig.exclude`: every other tensor
-    takes the mean.
-    """
-
-    aggregate: Callable[[list[torch.Tensor], Communicator, RuleContext], torch.Tensor]
-    spectral: bool = False
-    finalize: Callable[[torch.Tensor, MergeConfig], torch.Tensor] | None = None
-
-
-RULES: dict[str, RuleEntry] = {
-    "mean": RuleEntry(lambda d, comm, ctx: mean_rule(d, comm)),
-    "ties": RuleEntry(lambda d, comm, ctx: ties_rule(d, comm, density=ctx.config.density)),
-    "dare": RuleEntry(
-        lambda d, comm, ctx: dare_rule(d, comm, drop_rate=ctx.config.drop_rate, generators=ctx.generators)
-    ),
-    "tsv": RuleEntry(lambda d, comm, ctx: tsv_rule(d, comm), spectral=True),
-    # Iso-C = one all-reduce, then `iso_c_rule`'s correction as a separate, shardable step.
-    "iso_c": RuleEntry(lambda d, comm, ctx: mean_rule(d, comm), spectral=True, finalize=iso_c_finalize),
-    "iso_cts": RuleEntry(
-        lambda d, comm, ctx: iso_cts_rule(d, comm, common_fraction=ctx.config.common_fraction), spectral=True
-    ),
-}
+def needs_finalize(config: MergeConfig, name: str, aggregated: torch.Tensor) -> bool:
+    return RULES[config.rule].finalize is not None and config.applies(name, aggregated)
 
 
 def mask_generator(seed: int, worker: int, round: int, name: str) -> torch.Generator:
@@ -410,28 +334,13 @@ class Merger:
                 f"workers; pass one delta per local worker, in order"
             )
         check_finite(name, local_deltas, worker_ids, round)
-        entry = RULES[self.cfg.rule]
-        if entry.spectral and self.cfg.excludes(name):
-            return mean_rule(local_deltas, self.comm)
-        context = RuleContext(self.cfg, self._mask_generators(name, round or 0))
-        return entry.aggregate(local_deltas, self.comm, context)
+        generators = ([mask_generator(self.seed, worker, round or 0, name) for worker in worker_ids]
+                      if self.cfg.rule == "dare" else ())
+        return aggregate(self.cfg, name, local_deltas, self.comm, generators)
 
-    def finalize(self, name: str, aggregate: torch.Tensor) -> torch.Tensor:
+    def finalize(self, name: str, aggregated: torch.Tensor) -> torch.Tensor:
         """The pure, per-tensor rest of the merge of `name` (any one process may run it)."""
-        if not self._needs_finalize(name, aggregate):
-            return aggregate
-        return RULES[self.cfg.rule].finalize(aggregate, self.cfg)
-
-    @contextlib.contextmanager
-    def restricted_to(self, comm: Communicator):
-        """Merge over `comm`'s workers while the block runs (a round that drops a diverged
-        worker); the bytes it sends are added to the usual communicator's count."""
-        usual, self.comm = self.comm, comm
-        try:
-            yield
-        finally:
-            self.comm = usual
-            usual.bytes_sent_per_worker += comm.reset_bytes()
+        return finalize(self.cfg, name, aggregated)
 
     def merge_all(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None = None,
                   fetch: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -446,16 +355,60 @@ class Merger:
         merged = {}
         for name, deltas in local_deltas.items():
             merged[name] = self.aggregate(name, [fetch(d) for d in deltas] if fetch else list(deltas), round)
-        pending = [name for name, aggregate in merged.items() if self._needs_finalize(name, aggregate)]
-        entry = RULES[self.cfg.rule]
-        finalized = self.comm.shard_map(lambda aggregate: entry.finalize(aggregate, self.cfg), [merged[n] for n in pending])
+        pending = [name for name, aggregated in merged.items() if needs_finalize(self.cfg, name, aggregated)]
+        rule = RULES[self.cfg.rule]
+        finalized = self.comm.shard_map(lambda aggregated: rule.finalize(aggregated, self.cfg),
+                                        [merged[name] for name in pending])
         merged.update(zip(pending, finalized))
         return merged
 
-    def _needs_finalize(self, name: str, aggregate: torch.Tensor) -> bool:
-        return RULES[self.cfg.rule].finalize is not None and aggregate.ndim == 2 and not self.cfg.excludes(name)
 
-    def _mask_generators(self, name: str, round: int) -> list[torch.Generator]:
-        if self.cfg.rule != "dare":
-            return []
-        return [mask_generator(self.seed, worker, round, name) for worker in self.comm.local_worker_ids]
+# --------------------------------------------------- peft-style functions, one per rule
+
+
+def _merge_in_process(deltas: list[torch.Tensor], config: MergeConfig,
+                      generators: Sequence[torch.Generator | None] = ()) -> torch.Tensor:
+    """One tensor's R deltas merged by `config` in this process, through the registry."""
+    if not deltas:
+        raise ValueError("a merge needs at least one delta")
+    config.validate()
+    check_finite("tensor", deltas, list(range(len(deltas))))
+    return finalize(config, "tensor", aggregate(config, "tensor", deltas, LocalCommunicator(len(deltas)), generators))
+
+
+def mean(deltas: list[torch.Tensor]) -> torch.Tensor:
+    """Task arithmetic: the mean of the deltas."""
+    return _merge_in_process(deltas, MergeConfig(rule="mean"))
+
+
+def ties(deltas: list[torch.Tensor], density: float = MergeConfig.density) -> torch.Tensor:
+    """TIES merge (trim to `density`, elect sign, disjoint mean); see `ties_rule`."""
+    return _merge_in_process(deltas, MergeConfig(rule="ties", density=density))
+
+
+def dare(
+    deltas: list[torch.Tensor],
+    drop_rate: float = MergeConfig.drop_rate,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+) -> torch.Tensor:
+    """DARE merge; `generator` is one generator drawn from for every delta in order, one
+    generator per delta, or None for torch's global generator."""
+    generators = generator if isinstance(generator, list) else [generator] * len(deltas)
+    if len(generators) != len(deltas):
+        raise ValueError(f"got {len(generators)} generators for {len(deltas)} deltas: pass one per delta")
+    return _merge_in_process(deltas, MergeConfig(rule="dare", drop_rate=drop_rate), generators)
+
+
+def tsv(deltas: list[torch.Tensor]) -> torch.Tensor:
+    """Task Singular Vectors merge (2-D tensors; others take the mean)."""
+    return _merge_in_process(deltas, MergeConfig(rule="tsv"))
+
+
+def iso_c(deltas: list[torch.Tensor], settings: IsoSettings = IsoSettings()) -> torch.Tensor:
+    """Iso-C merge (2-D tensors; others take the mean)."""
+    return _merge_in_process(deltas, MergeConfig(rule="iso_c", **dataclasses.asdict(settings)))
+
+
+def iso_cts(deltas: list[torch.Tensor], common_fraction: float = MergeConfig.common_fraction) -> torch.Tensor:
+    """Iso-CTS merge (2-D tensors; others take the mean)."""
+    return _merge_in_process(deltas, MergeConfig(rule="iso_cts", common_fraction=common_fraction))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from isoloco.configbase import ConfigError
+from isoloco.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,13 @@ All functions take one matrix or a batch of same-shape matrices (..., m, n).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-import warnings
 from typing import Callable, Literal
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 OrthoMethod = Literal["auto", "svd", "gram", "newton_schulz", "polar_express"]
 ScaleMethod = Literal["exact", "rms", "inner"]
@@ -125,7 +127,7 @@ def _svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
     Tall, because on CPU LAPACK's SVD of a wide matrix is much slower than of its transposed
     view (docs/benchmarks.md, "Thresholds in the code"); at least float32, because LAPACK has
-    no half precision. If it fails to converge: warn and retry in float64.
+    no half precision. If it fails to converge: log a warning and retry in float64.
     """
     tall, transposed = _tall_view(matrix)
     work_dtype = torch.promote_types(matrix.dtype, torch.float32)
@@ -134,12 +136,8 @@ def _svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     except torch.linalg.LinAlgError as error:
         if work_dtype == torch.float64:
             raise
-        warnings.warn(
-            f"torch.linalg.svd did not converge on a {tuple(matrix.shape)} {matrix.dtype} "
-            f"matrix ({error}); retrying in float64",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        logger.warning("torch.linalg.svd did not converge on a %s %s matrix (%s); retrying in float64",
+                       tuple(matrix.shape), matrix.dtype, error)
         u, s, vh = torch.linalg.svd(tall.double(), full_matrices=False)
     if transposed:  # M = (U S Vᴴ)ᵀ = V S Uᵀ
         u, vh = vh.mT, u.mT
@@ -334,6 +332,7 @@ GRAM_MIN_ASPECT = 1.5
 def polar_auto(matrix: torch.Tensor) -> Polar:
     """The fastest exact polar factor for this shape: `gram` for clearly non-square
     matrices (MLP, embedding and LM-head weights), `svd` for square-ish ones."""
+    _check_matrix(matrix)
     short, long = sorted(matrix.shape[-2:])
     return polar_gram(matrix) if long >= GRAM_MIN_ASPECT * short else polar_svd(matrix)
 
@@ -355,7 +354,7 @@ SCALE_METHODS: dict[str, Callable[[torch.Tensor, Polar], torch.Tensor]] = {
 
 def orthogonalize(
     matrix: torch.Tensor,
-    method: OrthoMethod = "svd",
+    method: OrthoMethod,
     ns_steps: int = 5,
     ns_dtype: torch.dtype = torch.bfloat16,
 ) -> Polar:
@@ -367,19 +366,34 @@ def orthogonalize(
     return POLAR_METHODS[method](matrix, ns_steps, ns_dtype)
 
 
-def iso_correct(
-    matrix: torch.Tensor,
-    ortho: OrthoMethod = "svd",
-    scale: ScaleMethod = "exact",
-    ns_steps: int = 5,
-    ns_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
+#: The dtypes the iterative methods may run in, by the names configs use.
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class IsoSettings:
+    """How an Iso-C correction is computed: the one set of knobs (and the one default) that
+    merge rules, the outer optimizer and the run config share."""
+
+    ortho: OrthoMethod = "auto"  # how the orthogonal factor is computed (POLAR_METHODS)
+    scale: ScaleMethod = "exact"  # how the one singular value is estimated (SCALE_METHODS)
+    ns_steps: int = 5  # iterations of newton_schulz / polar_express
+    ns_dtype: str = "bfloat16"  # dtype of those iterations, a key of NS_DTYPES
+
+    def __post_init__(self) -> None:
+        for knob, value, allowed in (("ortho", self.ortho, POLAR_METHODS), ("scale", self.scale, SCALE_METHODS),
+                                     ("ns_dtype", self.ns_dtype, NS_DTYPES)):
+            if value not in allowed:
+                raise ValueError(f"{knob}={value!r} is not allowed: choose one of {', '.join(allowed)}")
+        if self.ns_steps < 1:
+            raise ValueError(f"ns_steps={self.ns_steps} is not allowed: it must be >= 1")
+
+
+def iso_correct(matrix: torch.Tensor, settings: IsoSettings = IsoSettings()) -> torch.Tensor:
     """The Iso-C correction scale · polar(M): every singular value replaced by one scale.
 
     Same shape and dtype as `matrix`; an all-zero matrix gives zeros.
     """
-    if scale not in SCALE_METHODS:
-        raise ValueError(f"unknown scale estimator {scale!r}: choose one of {', '.join(SCALE_METHODS)}")
-    polar = orthogonalize(matrix, ortho, ns_steps, ns_dtype)
-    factor = SCALE_METHODS[scale](matrix, polar).to(matrix.dtype)
+    polar = orthogonalize(matrix, settings.ortho, settings.ns_steps, NS_DTYPES[settings.ns_dtype])
+    factor = SCALE_METHODS[settings.scale](matrix, polar).to(matrix.dtype)
     return polar.factor * factor[..., None, None]

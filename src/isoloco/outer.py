@@ -17,10 +17,11 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from isoloco.comm import Communicator
-from isoloco.configbase import ConfigError, check_choice, check_positive, check_range, option
-from isoloco.merge import NS_DTYPES, MergeConfig, Merger
-from isoloco.ortho import OrthoMethod, ScaleMethod, iso_correct
+from isoloco.comm import Communicator, LocalCommunicator
+from isoloco.configbase import check_choices, check_positive, check_range, option
+from isoloco.errors import ConfigError
+from isoloco.merge import MergeConfig, Merger
+from isoloco.ortho import IsoSettings, iso_correct
 
 PLACEMENTS = ("gradient", "update")
 
@@ -40,8 +41,7 @@ class OuterConfig:
     )
 
     def validate(self) -> None:
-        check_choice("outer.optimizer", self.optimizer, ("sgd", "nesterov"))
-        check_choice("outer.iso_placement", self.iso_placement, PLACEMENTS)
+        check_choices("outer", self)
         check_positive("outer.lr", self.lr)
         check_range("outer.momentum", self.momentum, 0, 1, low_open=False, high_open=True)
         if self.optimizer == "nesterov" and self.momentum == 0:
@@ -89,7 +89,7 @@ class IsoLoCo(torch.optim.Optimizer):
     Every other parameter (1-D, or in a group with ``iso=False``: e.g. embeddings the caller
     excludes) takes the plain Nesterov step. The momentum buffer lives in
     ``state[p]["momentum_buffer"]`` as in `torch.optim.SGD`. The defaults are the paper's
-    IsoLoCo settings at 178M (lr 1.8, momentum 0.8).
+    IsoLoCo settings at 178M (lr 1.8, momentum 0.8); `settings` says how iso(·) is computed.
 
     `shard_map` (e.g. a communicator's) applies the correction to a group's matrices as one
     batch, so a multi-process job can share the orthogonalisations out among processes.
@@ -101,10 +101,7 @@ class IsoLoCo(torch.optim.Optimizer):
         lr: float = 1.8,
         momentum: float = 0.8,
         placement: str = "gradient",
-        ortho: OrthoMethod = "auto",
-        scale: ScaleMethod = "exact",
-        ns_steps: int = 5,
-        ns_dtype: torch.dtype = torch.bfloat16,
+        settings: IsoSettings = IsoSettings(),
         iso: bool = True,
         shard_map: Callable[[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]
         | None = None,
@@ -119,10 +116,7 @@ class IsoLoCo(torch.optim.Optimizer):
             lr=lr,
             momentum=momentum,
             placement=placement,
-            ortho=ortho,
-            scale=scale,
-            ns_steps=ns_steps,
-            ns_dtype=ns_dtype,
+            settings=settings,
             iso=iso,
         )
         super().__init__(params, defaults)
@@ -137,7 +131,7 @@ class IsoLoCo(torch.optim.Optimizer):
         for group in self.param_groups:
 
             def iso(matrix: torch.Tensor) -> torch.Tensor:
-                return iso_correct(matrix, group["ortho"], group["scale"], group["ns_steps"], group["ns_dtype"])
+                return iso_correct(matrix, group["settings"])
 
             def iso_where(corrected: list[bool], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
                 """`tensors` with iso applied to the corrected ones, as one batch."""
@@ -175,10 +169,7 @@ def build_outer_optimizer(
             lr=outer.lr,
             momentum=outer.effective_momentum,
             placement="update",
-            ortho=merge.ortho,
-            scale=merge.scale,
-            ns_steps=merge.ns_steps,
-            ns_dtype=NS_DTYPES[merge.ns_dtype],
+            settings=merge.iso,
             shard_map=comm.shard_map if comm is not None else None,
         )
     return torch.optim.SGD(
@@ -214,23 +205,31 @@ class OuterStep:
         self._params = dict(self.named_params)
         if len(self._params) != len(self.named_params):
             raise ValueError("parameter names must be unique")
-        aggregation = dataclasses.replace(merge, rule="mean") if outer.iso_placement == "update" else merge
-        self.merger = Merger(aggregation, comm, seed)
+        self.comm = comm
+        self.seed = seed
+        self.aggregation = dataclasses.replace(merge, rule="mean") if outer.iso_placement == "update" else merge
+        self.merger = Merger(self.aggregation, comm, seed)
         self.optimizer = build_outer_optimizer(self.named_params, merge, outer, comm)
 
     def step(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int,
-             fetch: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+             fetch: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             workers: list[int] | None = None) -> None:
         """One outer step. `local_deltas[name]` holds θ − θ_r for each local worker r, in the
         communicator's order; the deltas are only read, so the caller may reuse their storage
         afterwards. `fetch` brings stored deltas to the compute device, one parameter at a time
-        (see `Merger.merge_all`)."""
+        (see `Merger.merge_all`). `workers`: the global ids of the workers whose deltas these
+        are, when not all of this process's (a round that dropped a diverged worker; in one
+        process only), so the merge averages over them alone."""
         if set(local_deltas) != set(self._params):
             missing = sorted(set(self._params) - set(local_deltas))
             unexpected = sorted(set(local_deltas) - set(self._params))
             raise ValueError(
                 f"local_deltas must hold one entry per parameter; missing {missing}, unexpected {unexpected}"
             )
-        merged_all = self.merger.merge_all({name: local_deltas[name] for name, _ in self.named_params}, round, fetch)
+        merger = self._merger_of(workers)
+        merged_all = merger.merge_all({name: local_deltas[name] for name, _ in self.named_params}, round, fetch)
+        if merger is not self.merger:  # the round's bytes are counted with the run's
+            self.comm.bytes_sent_per_worker += merger.comm.reset_bytes()
         for name, param in self.named_params:
             merged = merged_all[name]
             if merged.shape != param.shape:
@@ -238,6 +237,13 @@ class OuterStep:
             param.grad = merged.to(device=param.device, dtype=param.dtype)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _merger_of(self, workers: list[int] | None) -> Merger:
+        if workers is None or workers == self.comm.local_worker_ids:
+            return self.merger
+        if not isinstance(self.comm, LocalCommunicator):
+            raise ValueError(f"merging workers {workers} alone needs every worker in this process (the simulator)")
+        return Merger(self.aggregation, LocalCommunicator(worker_ids=workers), self.seed)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A flat snapshot (copies) of the momentum buffers, ``momentum_buffer.<param>``, which

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import yaml
 
 from isoloco.config import EXECUTION_KEYS, TrainConfig, flatten, from_dict, to_dict
-from isoloco.configbase import ConfigError
+from isoloco.errors import ReportError
 from isoloco.methods import METHODS
 from isoloco.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, SWEEP_MANIFEST
 
@@ -42,10 +42,6 @@ COMPARE_FILE = "compare.md"
 PLOT_DIR = "plots"
 #: Axes a plot can put on x: run attribute -> (short label, axis title).
 X_AXES = {"workers": ("R", "workers R"), "inner_steps": ("H", "inner steps H")}
-
-
-class ReportError(ConfigError):
-    """DIR holds no runs; a ConfigError so the CLI prints it as one `error:` line."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ some processes waiting.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -74,11 +74,11 @@ def _publish(root: Path, staging: Path, step: int, reports: list[tuple], state: 
     return str(final), None
 
 
-def find_latest(group: Distributed, root: Path, warn: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
+def find_latest(group: Distributed, root: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that verifies, as rank 0 finds it, with its state, on every
     process (so all resume from the same one). Rank 0 first removes partial checkpoints."""
     found = None
     if group.is_main:
         ckpt.remove_partial(root)
-        found = ckpt.load_latest(root, warn=warn)
+        found = ckpt.load_latest(root)
     return group.broadcast_object(found)

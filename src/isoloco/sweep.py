@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import logging
 import os
 import signal
 import subprocess
@@ -41,10 +42,12 @@ from isoloco import report
 from isoloco.cliargs import add_items, parse_late
 from isoloco.config import (DEFAULT_PRESET, EXECUTION_KEYS, flatten, from_dict, load_preset, parse_overrides, resolve,
                             split_items, to_dict)
-from isoloco.configbase import ConfigError
-from isoloco.data import DataError
+from isoloco.errors import ConfigError, DataError
+from isoloco.logs import NOTICE
 from isoloco.methods import METHODS
 from isoloco.rundir import CONFIG_FILE, SUMMARY_FILE, SWEEP_MANIFEST
+
+logger = logging.getLogger(__name__)
 
 #: Grid axes: name in the preset's `sweep:` section -> the run config key it sets.
 AXES = {"methods": "method", "workers": "workers", "inner_steps": "inner_steps", "seeds": "seed"}
@@ -335,14 +338,15 @@ def execute(runs: list[Run], out: Path, envs: list[dict[str, str]]) -> list[str]
                 release(logs / f"{job.run.name}.lock", job.lock_fd, finished=is_finished(run_dir))
                 drift = _drift(run_dir, job.run.config)
                 if drift:
-                    bar.write(f"warning: {job.run.name} resolved to another config than planned ({drift}): "
-                              "the code or the preset changed while the sweep ran")
+                    logger.warning("%s resolved to another config than planned (%s): the code or the preset "
+                                   "changed while the sweep ran", job.run.name, drift)
                 if is_finished(run_dir):
                     bar.update(1)
                 elif not stop.requested:
                     failed.append(job.run.name)
-                    bar.write(f"run {job.run.name} failed (exit {job.process.returncode}); "
-                              f"last lines of {logs / job.run.name}.log:\n{_log_tail(logs / f'{job.run.name}.log')}")
+                    log_file = logs / f"{job.run.name}.log"
+                    logger.warning("run %s failed (exit %d); last lines of %s:\n%s", job.run.name,
+                                   job.process.returncode, log_file, _log_tail(log_file))
             if not stop.requested:
                 for slot in range(len(envs)):
                     if slot not in active:
@@ -365,8 +369,8 @@ def execute(runs: list[Run], out: Path, envs: list[dict[str, str]]) -> list[str]
         stop.restore()
         bar.close()
     if stop.requested:
-        print(f"sweep stopped by {signal.Signals(stop.signum).name}; the running runs wrote a checkpoint; "
-              "rerun the same command to continue", file=sys.stderr)
+        logger.log(NOTICE, "sweep stopped by %s; the running runs wrote a checkpoint; rerun the same command "
+                   "to continue", signal.Signals(stop.signum).name)
         raise KeyboardInterrupt
     return failed
 
@@ -402,18 +406,18 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     gpus = visible_gpus()
     jobs = args.jobs or max(1, len(gpus))
-    print(f"sweep: {len(runs)} runs in {out} ({done} finished), {jobs} at a time "
-          f"on {'GPUs ' + ','.join(gpus) if gpus else f'{available_cores()} CPU cores'}", file=sys.stderr)
+    logger.info("sweep: %d runs in %s (%d finished), %d at a time on %s", len(runs), out, done, jobs,
+                "GPUs " + ",".join(gpus) if gpus else f"{available_cores()} CPU cores")
     out.mkdir(parents=True, exist_ok=True)
     manifest = {"preset": preset, "overrides": raw_overrides, **asdict(grid)}
     (out / SWEEP_MANIFEST).write_text(yaml.safe_dump(manifest, sort_keys=False))
     failed = execute(runs, out, job_environments(jobs, gpus, available_cores(), dict(os.environ)))
     if not args.no_report:
         report.write_report(out)
-        print(f"report in {out / report.MARKDOWN_FILE}", file=sys.stderr)
+        logger.info("report in %s", out / report.MARKDOWN_FILE)
     if failed:
-        print(f"error: {len(failed)} of {len(runs)} runs failed ({', '.join(failed)}); their logs are in "
-              f"{out / LOG_DIR}; rerun the same command to retry them", file=sys.stderr)
+        logger.error("%d of %d runs failed (%s); their logs are in %s; rerun the same command to retry them",
+                     len(failed), len(runs), ", ".join(failed), out / LOG_DIR)
         return 1
     return 0
 

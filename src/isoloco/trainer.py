@@ -1,15 +1,16 @@
-"""The training loop: data-parallel baseline and DiLoCo with K workers in this process.
+"""The training loop: rounds of every local worker's turn, then a synchronisation.
 
 One compute module holds whichever worker is training; workers differ only in their
 optimizer state and, between their turn and the merge, in the pseudo-gradient they hold.
 A round is:
 
-    for each local worker r:   weights <- θ ; H inner steps ; Δ_r <- θ - weights
-    θ <- OuterStep({Δ_r})      # merge rule, then outer optimizer (SGD / Nesterov / IsoLoCo)
+    for each local worker r:   begin turn ; H inner steps ; end turn
+    synchronise                # DiLoCo: merge rule, then outer optimizer; dp: nothing
 
-The data-parallel baseline runs the same loop with one model trained on the global batch
-and no merge. Evaluation and checkpoints happen at round boundaries, where every worker
-equals θ, so a checkpoint needs θ, the outer state and each worker's optimizer state only.
+What the turns and the synchronisation do is the algorithm's (`isoloco.algorithms`: the
+data-parallel baseline or DiLoCo); the loop itself is round → log → evaluate → checkpoint →
+stop. Evaluation and checkpoints happen at round boundaries, where every worker equals θ,
+so a checkpoint needs θ, the algorithm's state and each worker's optimizer state only.
 
 Under torchrun the same loop runs in every process (`isoloco.distributed`): each holds its
 island's workers and its share of their batches, averages gradients within its island,
@@ -18,12 +19,11 @@ merges across islands, and evaluates a share of the validation set; rank 0 write
 
 from __future__ import annotations
 
+import logging
 import math
-import sys
-import time
 import os
+import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,18 +33,17 @@ from tqdm import tqdm
 
 from isoloco import checkpoint as ckpt
 from isoloco import sharded_checkpoint
-from isoloco.comm import LocalCommunicator
+from isoloco.algorithms import Worker, build_algorithm
 from isoloco.config import TrainConfig, to_dict
-from isoloco.configbase import ConfigError
+from isoloco.errors import ConfigError
 from isoloco.data import Batches, TokenData, check_run_data, load_token_data, validation_batches
 from isoloco.distributed import Distributed
-from isoloco.inner import InnerOptimizer
 from isoloco.metrics import MetricsLog, NullMetricsLog
 from isoloco.model import build_model, count_parameters
-from isoloco.merge import NonFiniteDeltaError
-from isoloco.outer import OuterStep
 from isoloco.rundir import CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR
 from isoloco.stop import GracefulStop, StopRequested
+
+logger = logging.getLogger(__name__)
 
 
 def use_deterministic_kernels() -> None:
@@ -82,22 +81,11 @@ def check_resume_layout(checkpoint: Path, state: dict[str, Any], layout: dict[st
             "(isoloco launch --nproc N -- train --resume DIR starts N processes)")
 
 
-@dataclass
-class Worker:
-    """A DiLoCo worker between rounds: its optimizer state and, after its turn, its Δ."""
-
-    index: int  # global worker id, 0..R-1
-    optimizer: InnerOptimizer
-    delta: list[torch.Tensor]  # Δ = θ − θ_r after the worker's turn (storage device)
-
-
 class Trainer:
 
-    def __init__(self, cfg: TrainConfig, out_dir: Path, dist: Distributed | None = None,
-                 progress: bool = True, say: Callable[[str], None] = print):
+    def __init__(self, cfg: TrainConfig, out_dir: Path, dist: Distributed | None = None, progress: bool = True):
         self.cfg = cfg
         self.out_dir = Path(out_dir)
-        self.say = say
         self.progress = progress
         self.dist = dist or Distributed(cfg)
         if cfg.deterministic:
@@ -105,33 +93,19 @@ class Trainer:
         self.device = self.dist.place(resolve_device(cfg.device))
         self.data, repeat_notice = load_run_data(cfg)
         if repeat_notice and self.dist.is_main:
-            print(f"warning: {repeat_notice}", file=sys.stderr)
+            logger.warning(repeat_notice)
         self.batches = Batches(self.data.train, cfg.seq_len, cfg.global_batch, cfg.seed)
         self.val = validation_batches(self.data.val, cfg.seq_len, cfg.data.val_tokens, cfg.eval_batch)
         self.model = build_model(cfg.model, self.data.vocab_size, cfg.seq_len, cfg.seed).to(self.device)
         self.num_params = count_parameters(self.model)
         self.named_params = list(self.model.named_parameters())
         self.params = [p for _, p in self.named_params]
-        self.comm = self.dist.comm
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else nullcontext())
         self.storage = torch.device("cpu") if cfg.offload_workers else self.device
-        self.diloco = cfg.algorithm == "diloco"
-        if self.diloco:
-            # θ lives apart from the compute module, which is overwritten by each worker's turn.
-            self.global_params = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
-            self.outer = OuterStep(list(zip([n for n, _ in self.named_params], self.global_params)),
-                                   cfg.merge, cfg.outer, self.comm, cfg.seed)
-            self.workers = [Worker(w, InnerOptimizer(self.named_params, cfg.inner, cfg.steps),
-                                   [torch.zeros_like(p, device=self.storage) for p in self.params])
-                            for w in self.comm.local_worker_ids]
-        else:
-            self.global_params = self.params
-            self.workers = [Worker(0, InnerOptimizer(self.named_params, cfg.inner, cfg.steps), [])]
-        if cfg.on_bad_worker == "drop" and self.dist.world_size > 1:
-            raise ConfigError("on_bad_worker=drop works in a single process only (the simulator); "
-                              "use on_bad_worker=error with several processes")
-        self.dropped: list[int] = []
+        self.algorithm = build_algorithm(cfg, self.named_params, self.dist, self.batches, self.device, self.storage)
+        self.workers = self.algorithm.workers
+        self.global_params = self.algorithm.global_params
         #: Called after each worker's turn with (worker, start, end), before the merge: where a
         #: fault-injection test or a debugging probe looks at (or spoils) a worker's delta.
         self.after_turn: list[Callable[[Worker, int, int], None]] = []
@@ -170,80 +144,27 @@ class Trainer:
 
         return sdpa_kernel([SDPBackend.MATH])
 
-    def _worker_rows(self, step: int, worker: Worker) -> torch.Tensor:
-        """This process's share of what `worker` (dp: the one model) trains on at `step`."""
-        if not self.diloco:
-            return self.dist.shard_rows(self.batches.rows(step, 0, self.cfg.global_batch))
-        return self.dist.shard_rows(self.batches.worker_batch(step, worker.index, self.cfg.workers))
-
     # -- one round ---------------------------------------------------------------------------
 
-    def _take_turn(self, worker: Worker, start: int, end: int) -> torch.Tensor:
-        losses = self._run_worker(worker, start, end)
+    def take_turn(self, worker: Worker, start: int, end: int) -> torch.Tensor:
+        """Train one worker for steps [start, end); return its per-step losses."""
+        self.algorithm.begin_turn(worker)
+        losses = torch.zeros(end - start, device=self.device)
+        for step in range(start, end):
+            losses[step - start] = self._forward_backward(self.algorithm.rows(step, worker))
+            self.dist.average_gradients(self.params)
+            worker.optimizer.step(step)
+            self.bar.update()
+        self.algorithm.end_turn(worker)
         for hook in self.after_turn:
             hook(worker, start, end)
         return losses
 
-    def _run_worker(self, worker: Worker, start: int, end: int) -> torch.Tensor:
-        """Train one worker from θ for steps [start, end); return its per-step losses."""
-        if self.diloco:
-            with torch.no_grad():
-                torch._foreach_copy_(self.params, self.global_params)
-            worker.optimizer.move_state(self.device)
-        losses = torch.zeros(end - start, device=self.device)
-        for step in range(start, end):
-            losses[step - start] = self._forward_backward(self._worker_rows(step, worker))
-            self.dist.average_gradients(self.params)
-            worker.optimizer.step(step)
-            self.bar.update()
-        if self.diloco:
-            # Δ = θ − θ_r, computed in the compute buffers then kept by the worker until the merge.
-            with torch.no_grad():
-                torch._foreach_sub_(self.params, self.global_params)
-                torch._foreach_neg_(self.params)
-                torch._foreach_copy_(worker.delta, self.params)
-            worker.optimizer.move_state(self.storage)
-        return losses
-
-    def _round(self, start: int, end: int) -> torch.Tensor:
-        """One round (or, for dp, one segment); returns the mean loss per step over all workers
-        that were merged (see `on_bad_worker`; the dropped ones are left in `self.dropped`)."""
-        worker_losses = torch.stack([self._take_turn(w, start, end) for w in self.workers])
-        round_index = start // self.cfg.inner_steps
-        kept = self.workers
-        if self.diloco and self.cfg.on_bad_worker == "drop":
-            kept = [w for w, losses in zip(self.workers, worker_losses) if self._healthy(w, losses)]
-            if not kept:
-                raise NonFiniteDeltaError(f"round {round_index}: every worker's loss or pseudo-gradient is not "
-                                          "finite; lower inner.lr or outer.lr")
-        self.dropped = [w.index for w in self.workers if w not in kept]
-        rows = [i for i, w in enumerate(self.workers) if w in kept]
-        losses = self.dist.mean(worker_losses[rows].mean(dim=0))
-        if self.diloco:
-            names = [n for n, _ in self.named_params]
-            # Stored deltas (host memory when offloaded) reach the device a parameter at a time.
-            deltas = {name: [w.delta[i] for w in kept]
-                      for i, name in enumerate(names)}
-            if self.dropped:
-                print(f"warning: round {round_index}: dropped worker(s) {self.dropped} (loss or pseudo-gradient "
-                      "not finite); merging the others and restarting them from the global model", file=sys.stderr)
-                with self.outer.merger.restricted_to(LocalCommunicator(worker_ids=[w.index for w in kept])):
-                    self.outer.step(deltas, round=round_index, fetch=self._fetch)
-                for worker in self.workers:
-                    if worker.index in self.dropped:  # its optimizer state is as poisoned as its weights
-                        worker.optimizer = InnerOptimizer(self.named_params, self.cfg.inner, self.cfg.steps)
-            else:
-                self.outer.step(deltas, round=round_index, fetch=self._fetch)
-        return losses
-
-    def _fetch(self, delta: torch.Tensor) -> torch.Tensor:
-        return delta.to(self.device, non_blocking=True)
-
-    @staticmethod
-    def _healthy(worker: Worker, losses: torch.Tensor) -> bool:
-        """Finite losses and a finite pseudo-gradient (one norm per tensor, one sync)."""
-        norms = torch.stack(torch._foreach_norm(worker.delta))
-        return bool(torch.isfinite(losses).all() and torch.isfinite(norms).all())
+    def train_round(self, start: int, end: int) -> torch.Tensor:
+        """One round (dp: one segment of H steps); the mean loss per step over the workers that
+        count (see `on_bad_worker`), across processes."""
+        worker_losses = torch.stack([self.take_turn(w, start, end) for w in self.workers])
+        return self.dist.mean(self.algorithm.synchronise(worker_losses, round=start // self.cfg.inner_steps))
 
     # -- evaluation ----------------------------------------------------------------------------
 
@@ -251,8 +172,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Validation loss of θ on the fixed held-out windows (token-weighted mean); each
         process scores its share of the batches."""
-        if self.diloco:
-            torch._foreach_copy_(self.params, self.global_params)
+        self.algorithm.use_global_weights()
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64)  # loss x rows, rows
         for rows in self.val[self.dist.rank::self.dist.world_size]:
@@ -275,8 +195,7 @@ class Trainer:
         scalars: dict[str, Any] = {}
         if self.dist.is_main:
             files["global"] = dict(zip(names, self.global_params))
-            if self.diloco:
-                files["outer"] = self.outer.state_dict()
+            files.update(self.algorithm.checkpoint_files())
         if self.dist.writes_worker_state:
             worker_tensors: dict[str, torch.Tensor] = {}
             for worker in self.workers:
@@ -302,8 +221,7 @@ class Trainer:
 
     def restore(self) -> int | None:
         """Load the newest valid checkpoint; return the metrics file offset to truncate to."""
-        found = sharded_checkpoint.find_latest(self.dist, self._checkpoint_dir(),
-                                               warn=lambda message: print(message, file=sys.stderr))
+        found = sharded_checkpoint.find_latest(self.dist, self._checkpoint_dir())
         if found is None:
             return None
         path, state = found
@@ -329,13 +247,12 @@ class Trainer:
                 ckpt.unflatten_optimizer_state(t, worker_tensors, state["scalars"], f"w{worker.index}.opt{j}")
                 for j, t in enumerate(templates)])
             worker.optimizer.move_state(self.storage)
-        if self.diloco:
-            self.outer.load_state_dict(ckpt.load_tensors(path, "outer", self.device))
+        self.algorithm.load_checkpoint_files(lambda file: ckpt.load_tensors(path, file, self.device))
         self.step = state["step"]
         self.elapsed = state["elapsed_s"]
         self.cpu_seconds = state.get("cpu_s", 0.0)  # absent from checkpoints of older versions
         self.last_val_loss = state["last_val_loss"]
-        self.say(f"resumed from {path} at step {self.step}")
+        logger.info("resumed from %s at step %d", path, self.step)
         return state["metrics_offset"]
 
     # -- the run -------------------------------------------------------------------------------
@@ -347,7 +264,6 @@ class Trainer:
     def run(self, resume: bool = False) -> dict[str, Any]:
         cfg = self.cfg
         offset = self.restore() if resume else None
-        tokens_per_step = cfg.global_batch * cfg.seq_len
         log = MetricsLog(
             self.out_dir / METRICS_FILE, truncate_to=offset or 0,
             tensorboard_dir=self.out_dir / TENSORBOARD_DIR if cfg.log.tensorboard else None,
@@ -362,33 +278,12 @@ class Trainer:
             while self.step < cfg.train_steps:
                 start = self.step
                 end = min((start // cfg.inner_steps + 1) * cfg.inner_steps, cfg.train_steps)
-                began, began_cpu = time.perf_counter(), time.process_time()
-                losses = self._round(start, end).tolist()
-                seconds = time.perf_counter() - began
-                self.elapsed += seconds
-                self.cpu_seconds += time.process_time() - began_cpu
+                losses, seconds = self._timed_round(start, end)
                 self.step = end
-                record_extra: dict[str, Any] = {}
-                if self.diloco:
-                    record_extra["bytes_per_worker"] = self.comm.reset_bytes()
-                    record_extra.update(self.dist.link_bytes(self.comm))
-                if self.dropped:
-                    record_extra["dropped_workers"] = self.dropped
+                extra = self.algorithm.round_metrics()
                 if self._due(cfg.eval_every, start, end) or end == cfg.train_steps:
-                    self.last_val_loss = self.evaluate()
-                    record_extra["val_loss"] = self.last_val_loss
-                # Steps are timed as a round (workers take turns, then merge): the round's last line
-                # carries its wall time and throughput.
-                record_extra["wall_time_s"] = self.elapsed
-                record_extra["tokens_per_s"] = tokens_per_step * (end - start) / seconds
-                for i, step in enumerate(range(start, end)):
-                    record = {"step": step + 1, "round": start // cfg.inner_steps, "tokens": (step + 1) * tokens_per_step,
-                              "train_loss": losses[i], "lr": self.workers[0].optimizer.lr_at(step)}
-                    if step + 1 == end:
-                        record.update(record_extra)
-                    log.write(record)
-                self.bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{record_extra['tokens_per_s']:,.0f}",
-                                     **({"val": f"{self.last_val_loss:.3f}"} if "val_loss" in record_extra else {}))
+                    self.last_val_loss = extra["val_loss"] = self.evaluate()
+                self._log_round(log, start, end, losses, seconds, extra)
                 if not math.isfinite(losses[-1]):
                     raise FloatingPointError(f"training loss became {losses[-1]} at step {end}; "
                                              "lower inner.lr or outer.lr")
@@ -403,6 +298,28 @@ class Trainer:
             self.bar.close()
             log.close()
         return self.summary()
+
+    def _timed_round(self, start: int, end: int) -> tuple[list[float], float]:
+        """Train one round; its per-step losses and wall seconds (CPU time is summed too)."""
+        began, began_cpu = time.perf_counter(), time.process_time()
+        losses = self.train_round(start, end).tolist()
+        seconds = time.perf_counter() - began
+        self.elapsed += seconds
+        self.cpu_seconds += time.process_time() - began_cpu
+        return losses, seconds
+
+    def _log_round(self, log: MetricsLog | NullMetricsLog, start: int, end: int, losses: list[float],
+                   seconds: float, extra: dict[str, Any]) -> None:
+        """One metrics line per step; the round's last carries `extra`, its wall time and its
+        throughput (steps are timed as a round: workers take turns, then merge)."""
+        tokens_per_step = self.cfg.global_batch * self.cfg.seq_len
+        extra = {**extra, "wall_time_s": self.elapsed, "tokens_per_s": tokens_per_step * (end - start) / seconds}
+        for i, step in enumerate(range(start, end)):
+            record = {"step": step + 1, "round": start // self.cfg.inner_steps, "tokens": (step + 1) * tokens_per_step,
+                      "train_loss": losses[i], "lr": self.workers[0].optimizer.lr_at(step)}
+            log.write({**record, **extra} if step + 1 == end else record)
+        self.bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{extra['tokens_per_s']:,.0f}",
+                             **({"val": f"{self.last_val_loss:.3f}"} if "val_loss" in extra else {}))
 
     def summary(self) -> dict[str, Any]:
         cfg = self.cfg

@@ -20,23 +20,18 @@ connection so it never queues behind a store wait of the main thread.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
-import sys
 import threading
 import time
 
 import torch.distributed as dist
 
-from isoloco.configbase import first_line
+from isoloco.errors import EXIT_PEER_LOST, first_line
 
-#: Exit status of a process stopped because another process of the run died, hung or failed.
-EXIT_PEER_LOST = 3
+logger = logging.getLogger(__name__)
 
 _DONE = b"done"
-
-
-class PeerLostError(RuntimeError):
-    """Another process of the run died, hung or failed; the message names its rank."""
 
 
 class PeerWatchdog:
@@ -155,7 +150,8 @@ class PeerWatchdog:
     def _stop_process(self, reason: str) -> None:
         if self._failing or self._stopped.is_set():
             return  # the main thread is already reporting its own failure
-        print(f"error: [rank {self.rank}] {reason}; stopping this process", file=sys.stderr, flush=True)
+        # Logging's stderr handlers flush every record: the line is out before the exit.
+        logger.error("[rank %d] %s; stopping this process", self.rank, reason)
         self.report_failure(reason, second_hand=True)
         os._exit(EXIT_PEER_LOST)
 

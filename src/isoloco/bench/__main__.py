@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from isoloco import logs
 from isoloco.bench import comm, memory, ortho, outer, throughput
 from isoloco.trainer import resolve_device
 
@@ -44,6 +45,7 @@ def machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logs.setup()
     parser = argparse.ArgumentParser(prog="python -m isoloco.bench", description=__doc__.splitlines()[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes, presets and R values")

@@ -73,7 +73,7 @@ def round_peak(preset: str, workers: int, offload: bool, global_batch: int, seq_
     trainer = simulator(preset, METHOD, workers, global_batch, seq_len, inner_steps=1, steps=1,
                         **{"offload_workers": offload, "micro_batch": 1, "device": str(device),
                            **(overrides or {})})
-    trainer._round(0, 1)
+    trainer.train_round(0, 1)
     return _peak(device) - before, trainer.num_params
 
 

@@ -16,6 +16,7 @@ estimators that fit), on a matrix shaped like a pseudo-gradient (`workload.pseud
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -23,15 +24,15 @@ import torch
 from isoloco.bench.table import Table, ratio
 from isoloco.bench.timing import interleaved
 from isoloco.bench.workload import CPU_PRESETS, PAPER_PRESETS, matrix_shapes, pseudo_gradient, vocab_size
-from isoloco.ortho import SCALE_METHODS, iso_correct, orthogonalize, singular_values
+from isoloco.ortho import NS_DTYPES, SCALE_METHODS, IsoSettings, iso_correct, orthogonalize, singular_values
 
 #: (label, ortho method, iteration dtype, scale estimators); exact SVD Iso-C is the reference.
-REFERENCE = ("svd", "svd", torch.float32, ["exact"])
+REFERENCE = ("svd", "svd", "float32", ["exact"])
 FAST_PATHS = [
-    ("gram", "gram", torch.float32, ["exact"]),
-    ("NS fp32", "newton_schulz", torch.float32, ["rms", "inner"]),
-    ("NS bf16", "newton_schulz", torch.bfloat16, ["rms", "inner"]),
-    ("PolarExp bf16", "polar_express", torch.bfloat16, ["rms", "inner"]),
+    ("gram", "gram", "float32", ["exact"]),
+    ("NS fp32", "newton_schulz", "float32", ["rms", "inner"]),
+    ("NS bf16", "newton_schulz", "bfloat16", ["rms", "inner"]),
+    ("PolarExp bf16", "polar_express", "bfloat16", ["rms", "inner"]),
 ]
 #: The path whose speed the aim is about: the paper's fast mode (isoloco_fast).
 FAST_MODE = ("NS bf16", "rms")
@@ -73,12 +74,12 @@ def benchmark_shape(rows: int, cols: int, repeats: int, device: str = "cpu") -> 
     # A warm-up call absorbs one-off costs (oneDNN generates kernels per shape and dtype:
     # 100x a 64x64 Newton-Schulz); on large matrices those are negligible next to the call,
     # and a warm-up would add a whole repeat to the longest part of the run.
-    timings = interleaved({(label, scale): (lambda o=ortho, s=scale, d=dtype: iso_correct(matrix, o, s, 5, d))
+    timings = interleaved({(label, scale): partial(iso_correct, matrix, IsoSettings(ortho, scale, 5, dtype))
                            for label, ortho, dtype, scale in paths}, repeats,
                           warmup=int(matrix.numel() < WARMUP_BELOW_ELEMENTS))
     reference = timings["svd", "exact"]
     exact_mean = singular_values(matrix.double()).mean().item()
-    factors = {(ortho, dtype): orthogonalize(matrix, ortho, 5, dtype) for _, ortho, dtype, _ in paths}
+    factors = {(ortho, dtype): orthogonalize(matrix, ortho, 5, NS_DTYPES[dtype]) for _, ortho, dtype, _ in paths}
     results = []
     for label, ortho, dtype, scale in paths:
         timing, factor = timings[label, scale], factors[ortho, dtype]

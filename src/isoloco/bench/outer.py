@@ -53,7 +53,7 @@ def outer_fractions(preset: str, workers: int, setting: OuterSetting, methods: t
 
     def worker_block() -> None:
         start = next(starts)
-        trainer._run_worker(worker, start, start + block)
+        trainer.take_turn(worker, start, start + block)
 
     deltas = {name: [d.to(trainer.device) for d in ds]
               for name, ds in worker_deltas([(n, p.shape) for n, p in trainer.named_params], workers).items()}

@@ -72,7 +72,7 @@ def throughput_ratio(case: ThroughputCase, repeats: int, device: str = "auto", *
 
     def simulator_round() -> None:
         start = next(round_starts)
-        trainer._round(start, start + h)
+        trainer.train_round(start, start + h)
 
     def plain_round() -> None:  # R·H plain steps: the tokens of one round
         start = next(plain_starts)

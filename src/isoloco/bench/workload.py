@@ -89,7 +89,7 @@ def simulator(preset: str, method: str, workers: int, global_batch: int, seq_len
     """
     cfg = resolve(None, {"method": method, "model": preset, "workers": workers, "global_batch": global_batch,
                          "seq_len": seq_len, "inner_steps": inner_steps, "steps": steps, **overrides})
-    return Trainer(cfg, Path(tempfile.gettempdir()) / "isoloco-bench", progress=False, say=lambda _m: None)
+    return Trainer(cfg, Path(tempfile.gettempdir()) / "isoloco-bench", progress=False)
 
 
 def trained_deltas(rounds: int, preset: str | None = None, **overrides) -> dict[str, list[torch.Tensor]]:
@@ -97,11 +97,11 @@ def trained_deltas(rounds: int, preset: str | None = None, **overrides) -> dict[
     of a run (`preset` plus `overrides`, on the CPU), as its outer step would receive them; the
     rounds before it merge as the run says."""
     cfg = resolve(preset, {"device": "cpu", **overrides})
-    trainer = Trainer(cfg, Path(tempfile.gettempdir()) / "isoloco-bench", progress=False, say=lambda _m: None)
+    trainer = Trainer(cfg, Path(tempfile.gettempdir()) / "isoloco-bench", progress=False)
     h = cfg.inner_steps
     for start in range(0, h * (rounds - 1), h):
-        trainer._round(start, start + h)
+        trainer.train_round(start, start + h)
     for worker in trainer.workers:
-        trainer._run_worker(worker, h * (rounds - 1), h * rounds)
+        trainer.take_turn(worker, h * (rounds - 1), h * rounds)
     names = [name for name, _ in trainer.named_params]
     return {name: [worker.delta[i].double() for worker in trainer.workers] for i, name in enumerate(names)}

@@ -20,8 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from isoloco.configbase import ConfigError
-from isoloco.data.config import DataError
+from isoloco.errors import ConfigError, DataError
 
 
 class Batches:

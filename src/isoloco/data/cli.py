@@ -1,20 +1,16 @@
 """The `isoloco data` commands: `prepare` a corpus into token shards, `info` about a prepared one.
 
 The main CLI calls `add_data_commands(subparsers)` and dispatches to ``args.func(args)``.
-Handlers return an exit code: 0 on success, 2 when the input is unusable, after printing
-one line ``error: ...`` (with the fix) to stderr - data problems are user errors, not
-crashes, so they get no traceback.
+Handlers return 0 on success; unusable input raises `DataError` or `ConfigError`, user
+errors that the CLI reports as one ``error: ...`` line (with the fix) and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-from isoloco.configbase import ConfigError
 from isoloco.data.batches import unigram_entropy
-from isoloco.data.config import DataError
 from isoloco.data.prepare import prepare
 from isoloco.data.shards import open_shards
 
@@ -59,12 +55,9 @@ def add_data_commands(subparsers: argparse._SubParsersAction) -> argparse.Argume
 def run_prepare(args: argparse.Namespace) -> int:
     """Handler of `data prepare`."""
     started = time.perf_counter()
-    try:
-        meta = prepare(args.source, args.out, args.tokenizer, args.vocab_size, args.val_fraction,
-                       progress=not args.quiet, text_field=args.text_field, split=args.split,
-                       max_documents=args.max_documents, max_tokens=args.max_tokens, force=args.force)
-    except (DataError, ConfigError) as error:
-        return _fail(error)
+    meta = prepare(args.source, args.out, args.tokenizer, args.vocab_size, args.val_fraction,
+                   progress=not args.quiet, text_field=args.text_field, split=args.split,
+                   max_documents=args.max_documents, max_tokens=args.max_tokens, force=args.force)
     tokens, documents = meta["tokens"], meta["documents"]
     print(f"prepared {args.out}: train {tokens['train']:,} tokens ({documents['train']:,} documents), "
           f"val {tokens['val']:,} tokens ({documents['val']:,} documents), vocab {meta['vocab_size']:,} "
@@ -74,10 +67,7 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 def run_info(args: argparse.Namespace) -> int:
     """Handler of `data info`."""
-    try:
-        data = open_shards(args.directory)
-    except (DataError, ConfigError) as error:
-        return _fail(error)
+    data = open_shards(args.directory)
     meta = data.meta
     print(f"{data.directory}: {meta['source']}")
     print(f"  train {len(data.train):,} tokens, val {len(data.val):,} tokens ({meta['dtype']})")
@@ -85,9 +75,3 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"  unigram baseline: {data.unigram_loss:.4f} nats/token on val "
           f"({unigram_entropy(data.train, vocab_size=data.vocab_size):.4f} on train)")
     return 0
-
-
-def _fail(error: Exception) -> int:
-    message = " ".join(str(error).split())
-    print(f"error: {message}", file=sys.stderr)
-    return 2

@@ -1,9 +1,9 @@
-"""The data section of a run's configuration, the data error type, and the cache location.
+"""The data section of a run's configuration, and the cache location.
 
 `DataConfig` says *which* tokens a run trains on; everything else in `isoloco.data` turns
 that choice into token shards and batches. Faults in the data itself (a missing file, a
-truncated shard, a tokenizer that does not match) raise `DataError`, a `ValueError` like
-`ConfigError`, so a command-line front end can catch both and print one line.
+truncated shard, a tokenizer that does not match) raise `DataError` (`isoloco.errors`), a
+user error like `ConfigError`: a command reports it as one `error:` line.
 """
 
 from __future__ import annotations
@@ -12,14 +12,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from isoloco.configbase import ConfigError, check_at_least, check_range, option
+from isoloco.configbase import check_at_least, check_range, option
+from isoloco.errors import ConfigError
 
 #: The smallest BPE vocabulary: the 256 byte symbols plus the `<|endoftext|>` special token.
 MIN_BPE_VOCAB = 256 + 1
-
-
-class DataError(ValueError):
-    """The data on disk (or the source named) is unusable; the message names the file and the fix."""
 
 
 def umask_mode(mode: int) -> int:

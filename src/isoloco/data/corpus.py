@@ -38,8 +38,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from isoloco.configbase import first_line
-from isoloco.data.config import DataError
+from isoloco.errors import DataError, first_line
 from isoloco.fileutil import file_sha256
 
 EMBEDDED = "embedded"

@@ -23,12 +23,13 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from isoloco.configbase import ConfigError, check_at_least, check_range
-from isoloco.data.config import MIN_BPE_VOCAB, DataConfig, DataError, cache_root
+from isoloco.configbase import check_at_least, check_range
+from isoloco.data.config import MIN_BPE_VOCAB, DataConfig, cache_root
 from isoloco.data.corpus import (EMBEDDED, is_validation, looks_like_path, nonempty, open_corpus,
                                  split_documents)
 from isoloco.data.shards import META_FILE, SPLITS, VERSION, TokenData, open_shards, split_file, write_shards
 from isoloco.data.tokenizer import BPE_ALGORITHM, TOKENIZER_FILE, resolve_tokenizer, tokenizer_id_of, tokenizer_kind
+from isoloco.errors import ConfigError, DataError
 
 #: With only a token limit, the BPE is trained on at most this many characters per allowed
 #: token (English BPE averages ~4 characters per token, so this covers the whole limit).

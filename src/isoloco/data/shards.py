@@ -37,9 +37,9 @@ from typing import Any, Iterable
 import numpy as np
 
 from isoloco.data.batches import unigram_entropy
-from isoloco.configbase import first_line
-from isoloco.data.config import DataError, umask_mode
+from isoloco.data.config import umask_mode
 from isoloco.data.tokenizer import TOKENIZER_FILE, LoadedTokenizer, tokenizer_id_of
+from isoloco.errors import DataError, first_line
 
 FORMAT = "isoloco-token-shards"
 VERSION = 1

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from isoloco.configbase import first_line
-from isoloco.data.config import MIN_BPE_VOCAB, DataError, cache_root, umask_mode
+from isoloco.data.config import MIN_BPE_VOCAB, cache_root, umask_mode
+from isoloco.errors import DataError, first_line
 
 EOS_TOKEN = "<|endoftext|>"
 #: End-of-document tokens recognised in a user's tokenizer.json, in order of preference.

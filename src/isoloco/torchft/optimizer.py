@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from isoloco.configbase import ConfigError
+from isoloco.errors import ConfigError
 from isoloco.merge import MergeConfig
 from isoloco.outer import OuterConfig, build_outer_optimizer, validate_combination
 

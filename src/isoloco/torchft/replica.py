@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from isoloco.config import TrainConfig
-from isoloco.configbase import ConfigError
 from isoloco.data import Batches, load_token_data
+from isoloco.errors import ConfigError
 from isoloco.inner import InnerOptimizer
 from isoloco.model import build_model
 from isoloco.torchft.optimizer import outer_optimizers

@@ -1,0 +1,60 @@
+"""The messages of a command: the package logger `isoloco`, written to stderr.
+
+Modules log through `logging.getLogger(__name__)`; a command calls `setup` when it starts
+(and again once it knows its `--quiet`). Messages read as a command-line tool's: info as it
+is, `warning: ...`, `error: ...`. They are written above any progress bar rather than
+through it. What a command produces (tables, listings, the config it would use, where its
+results are) is not a message: it goes to stdout with `print`.
+
+Levels: INFO says what is going on (start-up lines, a resume), and `--quiet` silences it;
+NOTICE says how a command ended early (a stop by signal, an interrupt), printed as is even
+with `--quiet`; WARNING and ERROR as usual. In a torchrun job only rank 0 speaks, except for
+errors: each process reports its own failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from tqdm import tqdm
+
+PACKAGE = "isoloco"
+NOTICE = logging.INFO + 5
+logging.addLevelName(NOTICE, "NOTICE")
+
+_PREFIXES = {logging.WARNING: "warning: ", logging.ERROR: "error: ", logging.CRITICAL: "error: "}
+
+
+class _PrefixFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return _PREFIXES.get(record.levelno, "") + super().format(record)
+
+
+class _StderrAboveBars(logging.Handler):
+    """Writes to the stderr of the moment (a test's capture, a redirection), clearing and
+    redrawing tqdm bars around the message, and flushes: the process may `os._exit` next."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+            sys.stderr.flush()
+        except Exception:  # logging's convention: a failing handler never raises into the caller
+            self.handleError(record)
+
+
+def job_rank() -> int:
+    """This process's rank in a torchrun job; 0 outside one."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def setup(quiet: bool = False) -> None:
+    """Write the package's messages to stderr at the level this process and `quiet` allow;
+    calling it again changes only the level."""
+    logger = logging.getLogger(PACKAGE)
+    if not any(isinstance(handler, _StderrAboveBars) for handler in logger.handlers):
+        handler = _StderrAboveBars()
+        handler.setFormatter(_PrefixFormatter())
+        logger.addHandler(handler)
+    logger.setLevel(logging.ERROR if job_rank() != 0 else NOTICE if quiet else logging.INFO)

@@ -1,0 +1,39 @@
+"""How a command reports errors (`isoloco.errors`) and writes its messages (`isoloco.logs`)."""
+
+import logging
+
+from isoloco import logs
+from isoloco.cli import main
+from isoloco.errors import (EXIT_PEER_LOST, CheckpointError, ConfigError, NonFiniteDeltaError, PeerLostError,
+                            describe)
+
+logger = logging.getLogger("isoloco.test")
+
+
+def test_each_kind_of_error_has_its_lines_and_exit_status():
+    assert describe(ConfigError("a=1 is not allowed\nb=2 is not allowed"), rank=0) == (
+        ["a=1 is not allowed", "b=2 is not allowed"], 2)
+    assert describe(CheckpointError("checkpoint x is damaged"), rank=0)[1] == 2
+    assert describe(PeerLostError("rank 1 stopped answering"), rank=1) == (["rank 1 stopped answering"], EXIT_PEER_LOST)
+    assert describe(NonFiniteDeltaError("worker 0: delta is nan"), rank=0) == (
+        ["worker 0: delta is nan; the last checkpoint is intact"], 1)
+    assert describe(FloatingPointError("loss is inf"), rank=0)[1] == 1
+
+
+def test_only_rank_0_reports_a_user_error(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    assert main(["train", "workers=0", "--quiet"]) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", "workers=0", "--quiet"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_messages_keep_the_plain_form_and_quiet_keeps_how_a_command_ended(capsys):
+    logs.setup(quiet=True)
+    logger.info("started")
+    logger.log(logs.NOTICE, "stopped by SIGTERM")
+    logger.warning("a corpus repeats")
+    logger.error("a peer is lost")
+    assert capsys.readouterr().err.splitlines() == ["stopped by SIGTERM", "warning: a corpus repeats",
+                                                   "error: a peer is lost"]
