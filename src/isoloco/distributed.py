@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from isoloco.comm import Communicator, LocalCommunicator, nbytes
-from isoloco.configbase import check_at_least, check_choice, check_positive, option
+from isoloco.configbase import check_at_least, check_choices, check_positive, option
 from isoloco.errors import CollectiveError, ConfigError, PeerLostError, first_line
 from isoloco.watchdog import PeerWatchdog
 
@@ -57,7 +57,7 @@ class DistConfig:
 
     def validate(self) -> None:
         check_at_least("dist.gpus_per_worker", self.gpus_per_worker, 1)
-        check_choice("dist.backend", self.backend, BACKENDS)
+        check_choices("dist", self)
         check_positive("dist.timeout_s", self.timeout_s)
 
 
