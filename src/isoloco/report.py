@@ -318,6 +318,10 @@ def _series_label(run: RunResult, varying: list[str]) -> str:
     return run.method + variant + "".join(f" {short[d]}={getattr(run, d)}" for d in varying)
 
 
+#: Beyond this many series a plot's legend goes beside the axes instead of over the lines.
+LEGEND_INSIDE_AT_MOST = 6
+
+
 def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
     """Final loss (or gap to DP) against `axis`: one line per method (and per other varying axis)."""
     from matplotlib.figure import Figure
@@ -330,6 +334,8 @@ def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
         value = r.gap_pct if gap else r.final_val_loss
         if value is not None:
             series.setdefault(_series_label(r, varying), {}).setdefault(getattr(r, axis), []).append(value)
+    # A series run at one value of the axis says nothing about it: where others span it, leave it out.
+    series = {label: points for label, points in series.items() if len(points) > 1} or series
     colors = _colors(series)
     fig = Figure(figsize=(6.4, 4.4), layout="constrained")
     ax = fig.add_subplot()
@@ -351,7 +357,10 @@ def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
         ax.set_ylabel("final validation loss")
     _log2_axis(ax, sorted({getattr(r, axis) for r in trained}), X_AXES[axis][1])
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    if len(series) > LEGEND_INSIDE_AT_MOST:
+        fig.legend(loc="outside right upper", fontsize="small")
+    else:
+        ax.legend(fontsize="small")
     return fig
 
 
