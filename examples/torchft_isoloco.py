@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from isoloco.config import TrainConfig, parse_overrides, resolve
-from isoloco.configbase import ConfigError
+from isoloco.errors import ConfigError
 from isoloco.data import load_token_data
 from isoloco.torchft.replica import GroupRun, check_group_config, run_replica_group, start_lighthouse
 

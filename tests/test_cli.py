@@ -11,7 +11,7 @@ from isoloco import __version__
 from isoloco.cli import build_parser, main
 from isoloco.config import DEFAULT_PRESET, list_keys, resolve, to_dict
 from isoloco.data import check_run_data
-from isoloco.configbase import ConfigError
+from isoloco.errors import ConfigError
 
 REQUIRED_KEYS = ["method", "workers", "inner_steps", "global_batch", "seq_len", "steps", "seed", "model",
                  "eval_every", "inner.optimizer", "inner.lr", "outer.optimizer", "outer.lr", "outer.momentum"]

@@ -10,7 +10,7 @@ import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from isoloco.configbase import ConfigError  # noqa: E402
+from isoloco.errors import ConfigError  # noqa: E402
 from isoloco.data import Batches, DataConfig, DataError, check_run_data, unigram_entropy, validation_batches  # noqa: E402
 
 SEQ = 7  # windows of 8 tokens

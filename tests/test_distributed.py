@@ -18,7 +18,7 @@ from isoloco import merge
 from isoloco.bench import comm as bench_comm
 from isoloco.bench.workload import parameter_shapes
 from isoloco.config import DEFAULT_PRESET, TrainConfig, parse_overrides, resolve
-from isoloco.configbase import ConfigError
+from isoloco.errors import ConfigError
 from isoloco.distributed import Distributed, ProcessLayout, TorchCommunicator, assign_owners, process_group
 from isoloco.launch import add_launch_command, free_port, torchrun_argv
 from isoloco.metrics import read_metrics

@@ -37,3 +37,11 @@ def test_messages_keep_the_plain_form_and_quiet_keeps_how_a_command_ended(capsys
     logger.error("a peer is lost")
     assert capsys.readouterr().err.splitlines() == ["stopped by SIGTERM", "warning: a corpus repeats",
                                                    "error: a peer is lost"]
+
+
+def test_other_ranks_say_their_own_warnings_marked_with_their_rank(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    logs.setup()
+    logger.info("started")
+    logger.warning("svd retried in float64")
+    assert capsys.readouterr().err.splitlines() == ["warning: [rank 1] svd retried in float64"]

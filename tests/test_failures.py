@@ -14,7 +14,7 @@ import torch
 
 from isoloco import checkpoint as ckpt
 from isoloco.config import parse_overrides, resolve
-from isoloco.merge import NonFiniteDeltaError
+from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.trainer import Trainer
 from helpers import ONE_THREAD_ENV, SMALL_ARGS, final_params
 
@@ -190,3 +190,14 @@ def test_resume_of_a_different_run_is_refused_with_one_line(tmp_path, change, me
     resumed = train_cli("--resume", str(out))
     assert resumed.returncode == 2
     assert message in resumed.stderr and len(resumed.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("method", ["dp", "isoloco"])
+def test_drop_is_refused_with_several_processes(method):
+    from types import SimpleNamespace
+
+    from isoloco.algorithms import build_algorithm
+
+    cfg = resolve(None, {**parse_overrides(RUN), "method": method, "on_bad_worker": "drop"})
+    with pytest.raises(ConfigError, match="on_bad_worker=drop works in a single process only"):
+        build_algorithm(cfg, [], SimpleNamespace(world_size=2), None, torch.device("cpu"), torch.device("cpu"))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from isoloco import distributed
-from isoloco.configbase import ConfigError
+from isoloco.errors import ConfigError
 
 
 def test_one_named_gpu_is_refused_for_several_processes(monkeypatch):

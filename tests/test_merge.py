@@ -11,7 +11,7 @@ from peft.utils import merge_utils
 
 from isoloco import merge
 from isoloco.comm import Communicator, LocalCommunicator
-from isoloco.configbase import ConfigError
+from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.ortho import IsoSettings
 
 RULE_NAMES = ["mean", "ties", "dare", "tsv", "iso_c", "iso_cts"]
@@ -335,7 +335,7 @@ def test_non_finite_delta_names_parameter_worker_and_round():
     m = merge.Merger(merge.MergeConfig(rule="mean"), comm, seed=0)
     deltas = make_deltas(2, (3, 3))
     deltas[1][0, 0] = float("nan")
-    with pytest.raises(merge.NonFiniteDeltaError, match=r"'blocks.3.attn.weight' from worker 3 in round 7"):
+    with pytest.raises(NonFiniteDeltaError, match=r"'blocks.3.attn.weight' from worker 3 in round 7"):
         m.merge("blocks.3.attn.weight", deltas, round=7)
     deltas[1][0, 0] = float("inf")
     with pytest.raises(ValueError, match="worker 1"):

@@ -6,7 +6,7 @@ import torch
 
 from isoloco import merge
 from isoloco.comm import LocalCommunicator
-from isoloco.configbase import ConfigError
+from isoloco.errors import ConfigError
 from isoloco.ortho import IsoSettings, iso_correct
 from isoloco.outer import IsoLoCo, OuterConfig, OuterStep, validate_combination
 
@@ -237,3 +237,17 @@ def test_outer_config_defaults():
     cfg.validate()
     assert (cfg.optimizer, cfg.lr, cfg.momentum, cfg.iso_placement) == ("nesterov", 0.7, 0.9, "gradient")
     OuterConfig(optimizer="sgd", momentum=0.0).validate()
+
+
+def test_isoloco_state_dict_holds_plain_values_that_torch_load_reads(tmp_path):
+    params = make_params()
+    optimizer = IsoLoCo([p for _, p in params], settings=IsoSettings(ortho="newton_schulz", scale="rms"))
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "outer.pt")
+    state = torch.load(tmp_path / "outer.pt")  # weights_only, torch's default
+    assert (state["param_groups"][0]["ortho"], state["param_groups"][0]["scale"]) == ("newton_schulz", "rms")
+    again = IsoLoCo([p for _, p in params])
+    again.load_state_dict(state)
+    assert again.param_groups[0]["ortho"] == "newton_schulz"

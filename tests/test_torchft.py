@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from isoloco.config import TrainConfig, resolve
-from isoloco.configbase import ConfigError
+from isoloco.errors import ConfigError
 from isoloco.data import load_token_data
 from isoloco.merge import MergeConfig
 from isoloco.model import build_model

@@ -20,10 +20,9 @@ from typing import Any, Callable
 import torch
 
 from isoloco.config import TrainConfig
-from isoloco.errors import ConfigError
 from isoloco.data import Batches
 from isoloco.distributed import Distributed
-from isoloco.errors import NonFiniteDeltaError
+from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.inner import InnerOptimizer
 from isoloco.outer import OuterStep
 
@@ -113,9 +112,6 @@ class DiLoCo(Algorithm):
     def __init__(self, cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Parameter]], dist: Distributed,
                  batches: Batches, device: torch.device, storage: torch.device) -> None:
         super().__init__(cfg, named_params, dist, batches)
-        if cfg.on_bad_worker == "drop" and dist.world_size > 1:
-            raise ConfigError("on_bad_worker=drop works in a single process only (the simulator); "
-                              "use on_bad_worker=error with several processes")
         self.device = device
         self.storage = storage
         # θ lives apart from the compute module, which each worker's turn overwrites.
@@ -192,6 +188,9 @@ class DiLoCo(Algorithm):
 def build_algorithm(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Parameter]], dist: Distributed,
                     batches: Batches, device: torch.device, storage: torch.device) -> Algorithm:
     """The run's algorithm (`cfg.algorithm`), for the workers this process holds."""
+    if cfg.on_bad_worker == "drop" and dist.world_size > 1:
+        raise ConfigError("on_bad_worker=drop works in a single process only (the simulator); "
+                          "use on_bad_worker=error with several processes")
     if cfg.algorithm == "dp":
         return DataParallel(cfg, named_params, dist, batches)
     return DiLoCo(cfg, named_params, dist, batches, device, storage)

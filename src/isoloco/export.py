@@ -8,10 +8,11 @@ import torch
 import yaml
 
 from isoloco import checkpoint as ckpt
-from isoloco.rundir import CHECKPOINT_DIR, TOKENIZER_FILE
 from isoloco.config import from_dict
 from isoloco.data.tokenizer import pretrained_tokenizer
+from isoloco.errors import CheckpointError
 from isoloco.model import build_model
+from isoloco.rundir import CHECKPOINT_DIR, TOKENIZER_FILE
 
 
 def _find_checkpoint(path: Path) -> Path:
@@ -19,7 +20,7 @@ def _find_checkpoint(path: Path) -> Path:
         return path
     found = ckpt.load_latest(path / CHECKPOINT_DIR)
     if found is None:
-        raise ckpt.CheckpointError(f"{path} is neither a checkpoint nor a run directory with a valid checkpoint")
+        raise CheckpointError(f"{path} is neither a checkpoint nor a run directory with a valid checkpoint")
     return found[0]
 
 
@@ -31,7 +32,7 @@ def export(path: Path, out_dir: Path) -> None:
     run_dir = checkpoint.parent.parent
     tokenizer_file = run_dir / TOKENIZER_FILE
     if not tokenizer_file.is_file():
-        raise ckpt.CheckpointError(f"{run_dir} has no {TOKENIZER_FILE}; was it written by isoloco train?")
+        raise CheckpointError(f"{run_dir} has no {TOKENIZER_FILE}; was it written by isoloco train?")
     tokenizer = pretrained_tokenizer(tokenizer_file)
     weights = ckpt.load_tensors(checkpoint, "global")
     vocab_size = weights["model.embed_tokens.weight"].shape[0]

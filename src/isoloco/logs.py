@@ -8,8 +8,9 @@ results are) is not a message: it goes to stdout with `print`.
 
 Levels: INFO says what is going on (start-up lines, a resume), and `--quiet` silences it;
 NOTICE says how a command ended early (a stop by signal, an interrupt), printed as is even
-with `--quiet`; WARNING and ERROR as usual. In a torchrun job only rank 0 speaks, except for
-errors: each process reports its own failure.
+with `--quiet`; WARNING and ERROR as usual. In a torchrun job rank 0 says everything; the
+other processes only their own warnings and errors (e.g. an SVD retried on the share of
+the orthogonalisations one process computes), marked `[rank N]`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ _PREFIXES = {logging.WARNING: "warning: ", logging.ERROR: "error: ", logging.CRI
 
 class _PrefixFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return _PREFIXES.get(record.levelno, "") + super().format(record)
+        rank = job_rank()
+        return _PREFIXES.get(record.levelno, "") + (f"[rank {rank}] " if rank else "") + super().format(record)
 
 
 class _StderrAboveBars(logging.Handler):
@@ -57,4 +59,4 @@ def setup(quiet: bool = False) -> None:
         handler = _StderrAboveBars()
         handler.setFormatter(_PrefixFormatter())
         logger.addHandler(handler)
-    logger.setLevel(logging.ERROR if job_rank() != 0 else NOTICE if quiet else logging.INFO)
+    logger.setLevel(logging.WARNING if job_rank() != 0 else NOTICE if quiet else logging.INFO)

@@ -71,6 +71,29 @@ POLAR_EXPRESS_COEFFICIENTS = tuple(
 ) + (_POLAR_EXPRESS_RAW[-1],)
 
 
+#: The dtypes the iterative methods may run in, by the names configs use.
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class IsoSettings:
+    """How an Iso-C correction is computed: the one set of knobs (and the one default) that
+    merge rules, the outer optimizer and the run config share."""
+
+    ortho: OrthoMethod = "auto"  # how the orthogonal factor is computed (POLAR_METHODS)
+    scale: ScaleMethod = "exact"  # how the one singular value is estimated (SCALE_METHODS)
+    ns_steps: int = 5  # iterations of newton_schulz / polar_express
+    ns_dtype: str = "bfloat16"  # dtype of those iterations, a key of NS_DTYPES
+
+    def __post_init__(self) -> None:
+        for knob, value, allowed in (("ortho", self.ortho, POLAR_METHODS), ("scale", self.scale, SCALE_METHODS),
+                                     ("ns_dtype", self.ns_dtype, NS_DTYPES)):
+            if value not in allowed:
+                raise ValueError(f"{knob}={value!r} is not allowed: choose one of {', '.join(allowed)}")
+        if self.ns_steps < 1:
+            raise ValueError(f"ns_steps={self.ns_steps} is not allowed: it must be >= 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class Polar:
     """An orthogonal factor (same shape and dtype as the input) and, when the method yields
@@ -280,13 +303,15 @@ def _gram_space_iteration(x: torch.Tensor, coefficients: list[tuple[float, float
     return q.to(x.dtype) @ x
 
 
-def polar_newton_schulz(matrix: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Polar:
+def polar_newton_schulz(matrix: torch.Tensor, steps: int = IsoSettings.ns_steps,
+                        dtype: torch.dtype = NS_DTYPES[IsoSettings.ns_dtype]) -> Polar:
     """Approximate polar factor by Muon's Newton–Schulz iteration (no singular values)."""
     factor = _odd_quintic_iteration(matrix, [MUON_COEFFICIENTS] * steps, dtype, headroom=1.0)
     return Polar(factor, None)
 
 
-def polar_express(matrix: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Polar:
+def polar_express(matrix: torch.Tensor, steps: int = IsoSettings.ns_steps,
+                  dtype: torch.dtype = NS_DTYPES[IsoSettings.ns_dtype]) -> Polar:
     """Approximate polar factor by the Polar Express schedule (no singular values).
 
     Steps beyond the published schedule repeat its last (limit) polynomial.
@@ -355,8 +380,8 @@ SCALE_METHODS: dict[str, Callable[[torch.Tensor, Polar], torch.Tensor]] = {
 def orthogonalize(
     matrix: torch.Tensor,
     method: OrthoMethod,
-    ns_steps: int = 5,
-    ns_dtype: torch.dtype = torch.bfloat16,
+    ns_steps: int = IsoSettings.ns_steps,
+    ns_dtype: torch.dtype = NS_DTYPES[IsoSettings.ns_dtype],
 ) -> Polar:
     """The orthogonal factor of `matrix` by `method`; ns_* only affect the iterative ones."""
     if method not in POLAR_METHODS:
@@ -364,29 +389,6 @@ def orthogonalize(
     if ns_steps < 1:
         raise ValueError(f"ns_steps={ns_steps} is not allowed: it must be >= 1")
     return POLAR_METHODS[method](matrix, ns_steps, ns_dtype)
-
-
-#: The dtypes the iterative methods may run in, by the names configs use.
-NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@dataclasses.dataclass(frozen=True)
-class IsoSettings:
-    """How an Iso-C correction is computed: the one set of knobs (and the one default) that
-    merge rules, the outer optimizer and the run config share."""
-
-    ortho: OrthoMethod = "auto"  # how the orthogonal factor is computed (POLAR_METHODS)
-    scale: ScaleMethod = "exact"  # how the one singular value is estimated (SCALE_METHODS)
-    ns_steps: int = 5  # iterations of newton_schulz / polar_express
-    ns_dtype: str = "bfloat16"  # dtype of those iterations, a key of NS_DTYPES
-
-    def __post_init__(self) -> None:
-        for knob, value, allowed in (("ortho", self.ortho, POLAR_METHODS), ("scale", self.scale, SCALE_METHODS),
-                                     ("ns_dtype", self.ns_dtype, NS_DTYPES)):
-            if value not in allowed:
-                raise ValueError(f"{knob}={value!r} is not allowed: choose one of {', '.join(allowed)}")
-        if self.ns_steps < 1:
-            raise ValueError(f"ns_steps={self.ns_steps} is not allowed: it must be >= 1")
 
 
 def iso_correct(matrix: torch.Tensor, settings: IsoSettings = IsoSettings()) -> torch.Tensor:

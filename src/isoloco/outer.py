@@ -116,8 +116,9 @@ class IsoLoCo(torch.optim.Optimizer):
             lr=lr,
             momentum=momentum,
             placement=placement,
-            settings=settings,
             iso=iso,
+            # Plain values, as torch optimizers keep hyper-parameters (state_dict, torch.load).
+            **dataclasses.asdict(settings),
         )
         super().__init__(params, defaults)
         self._shard_map = shard_map or (lambda fn, tensors: [fn(tensor) for tensor in tensors])
@@ -129,9 +130,10 @@ class IsoLoCo(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            settings = IsoSettings(**{f.name: group[f.name] for f in dataclasses.fields(IsoSettings)})
 
             def iso(matrix: torch.Tensor) -> torch.Tensor:
-                return iso_correct(matrix, group["settings"])
+                return iso_correct(matrix, settings)
 
             def iso_where(corrected: list[bool], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
                 """`tensors` with iso applied to the corrected ones, as one batch."""

@@ -8,7 +8,7 @@ A round is:
     synchronise                # DiLoCo: merge rule, then outer optimizer; dp: nothing
 
 What the turns and the synchronisation do is the algorithm's (`isoloco.algorithms`: the
-data-parallel baseline or DiLoCo); the loop itself is round → log → evaluate → checkpoint →
+data-parallel baseline or DiLoCo); the loop itself is round → evaluate → log → checkpoint →
 stop. Evaluation and checkpoints happen at round boundaries, where every worker equals θ,
 so a checkpoint needs θ, the algorithm's state and each worker's optimizer state only.
 
@@ -35,9 +35,9 @@ from isoloco import checkpoint as ckpt
 from isoloco import sharded_checkpoint
 from isoloco.algorithms import Worker, build_algorithm
 from isoloco.config import TrainConfig, to_dict
-from isoloco.errors import ConfigError
 from isoloco.data import Batches, TokenData, check_run_data, load_token_data, validation_batches
 from isoloco.distributed import Distributed
+from isoloco.errors import CheckpointError, ConfigError
 from isoloco.metrics import MetricsLog, NullMetricsLog
 from isoloco.model import build_model, count_parameters
 from isoloco.rundir import CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR
@@ -75,7 +75,7 @@ def load_run_data(cfg: TrainConfig) -> tuple[TokenData, str | None]:
 def check_resume_layout(checkpoint: Path, state: dict[str, Any], layout: dict[str, int]) -> None:
     """Refuse to resume a checkpoint written by another layout of workers and processes."""
     if state.get("layout") != layout:
-        raise ckpt.CheckpointError(
+        raise CheckpointError(
             f"checkpoint {checkpoint} was written with layout {state.get('layout')}, this run has {layout}; "
             "resume with the same number of workers and processes and the same gpus_per_worker "
             "(isoloco launch --nproc N -- train --resume DIR starts N processes)")
@@ -231,7 +231,7 @@ class Trainer:
             saved = global_tensors.get(name)
             if saved is None or saved.shape != param.shape:
                 found = "missing" if saved is None else f"shaped {tuple(saved.shape)}"
-                raise ckpt.CheckpointError(
+                raise CheckpointError(
                     f"checkpoint {path}: {name} is {found}, this model's is {tuple(param.shape)}; it was written "
                     "for another model or vocabulary (tokenizer) than this run's")
         with torch.no_grad():

@@ -151,7 +151,7 @@ class PeerWatchdog:
         if self._failing or self._stopped.is_set():
             return  # the main thread is already reporting its own failure
         # Logging's stderr handlers flush every record: the line is out before the exit.
-        logger.error("[rank %d] %s; stopping this process", self.rank, reason)
+        logger.error("%s; stopping this process", reason)  # other ranks are marked by the formatter
         self.report_failure(reason, second_hand=True)
         os._exit(EXIT_PEER_LOST)
 

@@ -5,7 +5,7 @@ For every distinct 2-D parameter shape of the paper's presets (178m, 512m, 1b, v
 Muon's coefficients in fp32 and bf16; Polar Express in bf16; each with the scale
 estimators that fit), on a matrix shaped like a pseudo-gradient (`workload.pseudo_gradient`):
 
-* × svd: the path's Iso-C time over exact SVD Iso-C (`iso_correct(M)`), both timed in the
+* × svd: the path's Iso-C time over exact SVD Iso-C (`iso_correct(M, IsoSettings("svd"))`), both timed in the
   same run, interleaved, median of the repeats;
 * error: ‖iso_path(M) − iso_svd(M)‖_F / ‖iso_svd(M)‖_F, the relative error of the update;
 * isotropy: max_i |σ_i/mean σ − 1| over the singular values of the path's orthogonal factor
@@ -74,12 +74,12 @@ def benchmark_shape(rows: int, cols: int, repeats: int, device: str = "cpu") -> 
     # A warm-up call absorbs one-off costs (oneDNN generates kernels per shape and dtype:
     # 100x a 64x64 Newton-Schulz); on large matrices those are negligible next to the call,
     # and a warm-up would add a whole repeat to the longest part of the run.
-    timings = interleaved({(label, scale): partial(iso_correct, matrix, IsoSettings(ortho, scale, 5, dtype))
+    timings = interleaved({(label, scale): partial(iso_correct, matrix, IsoSettings(ortho, scale, IsoSettings.ns_steps, dtype))
                            for label, ortho, dtype, scale in paths}, repeats,
                           warmup=int(matrix.numel() < WARMUP_BELOW_ELEMENTS))
     reference = timings["svd", "exact"]
     exact_mean = singular_values(matrix.double()).mean().item()
-    factors = {(ortho, dtype): orthogonalize(matrix, ortho, 5, NS_DTYPES[dtype]) for _, ortho, dtype, _ in paths}
+    factors = {(ortho, dtype): orthogonalize(matrix, ortho, IsoSettings.ns_steps, NS_DTYPES[dtype]) for _, ortho, dtype, _ in paths}
     results = []
     for label, ortho, dtype, scale in paths:
         timing, factor = timings[label, scale], factors[ortho, dtype]
