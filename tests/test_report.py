@@ -133,6 +133,10 @@ def test_runs_that_differ_in_more_than_the_seed_are_separate_points(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| diloco | 2 | 3 | outer.lr=0.7 processes=2 | 2 |" in md
     assert "| dp | — | — | — | 2 |" in md  # dp has no variant
+    # --compare names a variant as the tables write it.
+    pair = "diloco outer.lr=0.4 processes=1:diloco outer.lr=0.7 processes=1"
+    assert main(["report", str(tmp_path), "--compare", pair]) == 0
+    assert "| 2 | 3 | 2 | +0.6000 ± 0.0000 | diloco outer.lr=0.7 processes=1 lower |" in (tmp_path / "compare.md").read_text()
 
 
 @pytest.mark.slow

@@ -64,6 +64,11 @@ class RunResult:
     gap_pct: float | None = None
 
     @property
+    def label(self) -> str:
+        """The method, and its variant when it has one: what `--compare` names."""
+        return f"{self.method} {self.variant}" if self.variant else self.method
+
+    @property
     def is_dp(self) -> bool:
         return self.workers is None
 
@@ -460,18 +465,18 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]]) -> str
     """For each (A, B): the final-loss difference A − B paired by seed at every R and H both
     reached with the same seeds (B = a dp method: its run of the same seed, at every R and H),
     its 95% interval, whether it is called, and both methods' mean gaps to DP over those seeds;
-    with several R, also how the difference changes from the smallest R to the largest."""
-    finished = {(r.method, r.workers, r.inner_steps, r.budget, r.seed): r
-                for r in runs if r.final_val_loss is not None and not r.variant}
+    with several R, also how the difference changes from the smallest R to the largest. A and B
+    are run labels: a method, or a method and its variant ("isoc outer.lr=3.0")."""
+    finished = {(r.label, r.workers, r.inner_steps, r.budget, r.seed): r for r in runs if r.final_val_loss is not None}
     parts = ["# Paired comparisons", "",
              "Difference of final validation loss A − B over the seeds both ran (same seed: same initialisation "
              "and data order), mean ± the half-width of its 95% t-interval. A difference is called only when "
              "the interval excludes 0. The gaps to DP are means over the same seeds."]
     for a, b in pairs:
         points: dict[tuple, dict[int, tuple[RunResult, RunResult]]] = {}
-        for (method, workers, inner, budget, seed), run in finished.items():
+        for (label, workers, inner, budget, seed), run in finished.items():
             other = finished.get((b, workers, inner, budget, seed)) or finished.get((b, None, None, budget, seed))
-            if method == a and other is not None:
+            if label == a and other is not None:
                 points.setdefault((workers or 0, inner or 0, budget), {})[seed] = (run, other)
         rows = []
         for (workers, inner, budget), by_seed in sorted(points.items()):
@@ -545,5 +550,6 @@ def add_report_command(subparsers: argparse._SubParsersAction) -> None:
     report.add_argument("directory", metavar="DIR", help="a folder of run directories (the --out of isoloco sweep)")
     report.add_argument("--compare", action="append", default=[], metavar="A:B",
                         help="also write compare.md: method A's final loss minus B's, paired by seed, at every R "
-                             "and H, with 95%% intervals (repeatable)")
+                             "and H, with 95%% intervals (repeatable); A or B may name a variant as results.md "
+                             "writes it, e.g. 'isoc outer.lr=3.0:isoloco'")
     report.set_defaults(func=cmd_report)
