@@ -73,7 +73,8 @@ def test_gaps_are_to_the_dp_run_of_the_same_seed_and_averaged_over_seeds(tmp_pat
     assert abs(float(summary["diloco", "2"]["gap_to_dp_pct_std"]) - 2 ** 0.5) < 1e-4
     assert summary["isoloco", "8"]["seeds"] == "0" and summary["isoloco", "8"]["final_val_loss_mean"] == ""
     md = (tmp_path / "results.md").read_text()
-    assert "| diloco | 2 | 3 | 2 | 4.9000 ± 0.7071 | +9.00 ± 1.41 | 1,536 | 12 ± 0 |" in md
+    assert "| diloco | 2 | 3 | 2 | 4.9000 ± 0.7071 | +9.00 ± 1.41 | 1,536 | 12 ± 0 | 10 ± 0 |" in md
+    assert float(summary["diloco", "2"]["cpu_time_s_mean"]) == 10.0
     assert "| isoloco-R8-H3-s0 | isoloco | 8 | 3 | 0 | incomplete | — |" in md
     assert "![Gap to DP vs R](plots/gap_vs_R.png)" in md
     assert "15 runs, 14 finished; 140 s of CPU time in the training rounds of the 14 that record it" in md

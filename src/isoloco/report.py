@@ -237,11 +237,12 @@ def summary_csv(groups: list[Group]) -> str:
         loss, loss_std = _mean_std(g.values("final_val_loss"))
         gap, gap_std = _mean_std(g.values("gap_pct"))
         wall, _ = _mean_std(g.values("wall_time_s"))
+        cpu, _ = _mean_std(g.values("cpu_time_s"))
         rows.append([g.first.method, _fmt(g.first.workers, "d"), _fmt(g.first.inner_steps, "d"), g.first.variant,
                      g.first.model, str(g.first.tokens), str(len(g.values("final_val_loss"))), _fmt(loss, ".6f"),
-                     _fmt(loss_std, ".6f"), _fmt(gap, ".4f"), _fmt(gap_std, ".4f"), _fmt(wall, ".1f")])
+                     _fmt(loss_std, ".6f"), _fmt(gap, ".4f"), _fmt(gap_std, ".4f"), _fmt(wall, ".1f"), _fmt(cpu, ".1f")])
     return _csv(["method", "R", "H", "variant", "model", "tokens", "seeds", "final_val_loss_mean", "final_val_loss_std",
-                 "gap_to_dp_pct_mean", "gap_to_dp_pct_std", "wall_time_s_mean"], rows)
+                 "gap_to_dp_pct_mean", "gap_to_dp_pct_std", "wall_time_s_mean", "cpu_time_s_mean"], rows)
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -278,10 +279,11 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                   "runs of a method that differ in anything but the seed (their variant) are separate rows.",
               "", "## By method, R and H", "",
               _md_table(["method", "R", "H", *variant_header, "seeds", "final val loss", "gap to DP (%)", "tokens",
-                         "wall time (s)"],
+                         "wall time (s)", "CPU time (s)"],
                         [[g.first.method, _dash(g.first.workers), _dash(g.first.inner_steps), *variant(g.first),
                           str(len(g.values("final_val_loss"))), _pm(g.values("final_val_loss"), ".4f"),
-                          _pm(g.values("gap_pct"), "+.2f"), f"{g.first.tokens:,}", _pm(g.values("wall_time_s"), ".0f")]
+                          _pm(g.values("gap_pct"), "+.2f"), f"{g.first.tokens:,}", _pm(g.values("wall_time_s"), ".0f"),
+                          _pm(g.values("cpu_time_s"), ".0f")]
                          for g in groups]),
               "", "## Every run", "",
               _md_table(["run", "method", "R", "H", *variant_header, "seed", "final val loss", "gap to DP (%)",
