@@ -23,6 +23,9 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
                ("dare-p0.5", "dare-*", "p0.5-"), ("dare-p0.8", "dare-*", "p0.8-")],
     "claim7": [("main", "dp-s*", ""), ("main", "isoloco-R8-H30-s*", ""), ("main", "isoloco_fast-R8-*", ""),
                ("fast-pe-inner", "isoloco_fast-*", "pe-inner-"), ("exact-gram", "isoloco-*", "gram-")],
+    "tune-fast-r8": [("main", "dp-s0", ""), ("main", "isoloco-R8-H30-s0", ""), ("main", "isoloco_fast-R8-H30-s0", ""),
+                     ("tune/isoloco_fast-lr0.6", "isoloco_fast-*", "lr0.6-"),
+                     ("tune/isoloco_fast-lr0.9", "isoloco_fast-*", "lr0.9-")],
 }
 
 
