@@ -140,6 +140,41 @@ def test_runs_that_differ_in_more_than_the_seed_are_separate_points(tmp_path):
     assert "| 2 | 3 | 2 | +0.6000 ± 0.0000 | diloco outer.lr=0.7 processes=1 lower |" in (tmp_path / "compare.md").read_text()
 
 
+def test_a_knob_searched_over_several_values_gets_its_own_plot(tmp_path):
+    """A density grid of ties is drawn against merge.density, with dp and the methods not searched at
+    the same R as flat lines; a non-numeric setting or the process count gets no plot."""
+    from isoloco.report import _against_knob, _knobs
+
+    for seed in (0, 1):
+        _fake_run(tmp_path, f"dp-s{seed}", 4.0 + seed, method="dp", workers=1, seed=seed)
+        _fake_run(tmp_path, f"base-s{seed}", 4.5 + seed, method="diloco_sgd", workers=2, inner_steps=3, seed=seed)
+        for density in (0.2, 0.5, 0.9):
+            _fake_run(tmp_path, f"ties-d{density}-s{seed}", 5.0 - density + seed, method="ties", workers=2,
+                      inner_steps=3, seed=seed, **{"merge.density": density})
+        for ortho in ("svd", "gram"):
+            _fake_run(tmp_path, f"isoc-{ortho}-s{seed}", 4.2 + seed, method="isoc", workers=2, inner_steps=3,
+                      seed=seed, **{"merge.ortho": ortho})
+        _fake_run(tmp_path, f"tsv-s{seed}", 4.4 + seed, method="tsv", workers=2, inner_steps=3, seed=seed,
+                  processes=1 + seed)
+        for rate in (0.1, 0.5):
+            _fake_run(tmp_path, f"dare-p{rate}-s{seed}", 4.6 + seed, method="dare", workers=2, inner_steps=3,
+                      seed=seed, **{"merge.drop_rate": rate})
+    runs = load_runs(tmp_path)
+    assert _knobs(runs) == {"merge.density": ["ties"], "merge.drop_rate": ["dare"]}
+    ax = _against_knob(runs, "merge.density", _knobs(runs)).axes[0]
+    assert ax.get_title() == "Final validation loss against merge.density"
+    (ties,) = ax.containers
+    assert list(ties.lines[0].get_xdata()) == [0.2, 0.5, 0.9]
+    assert list(ties.lines[0].get_ydata()) == pytest.approx([4.8 + 0.5, 4.5 + 0.5, 4.1 + 0.5])
+    flat = {line.get_label(): line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() in ("--", ":")}
+    assert flat["dp"] == pytest.approx(4.5) and flat["diloco_sgd"] == pytest.approx(5.0)
+    assert flat["isoc merge.ortho=svd"] == pytest.approx(4.7) and flat["tsv processes=2"] == pytest.approx(5.4)
+    assert not any(label.startswith("dare") for label in flat)  # searched itself: a plot of its own
+    write_report(tmp_path)
+    assert "![Final validation loss vs merge.density](plots/val_loss_vs_merge.density.png)" in (
+        tmp_path / "results.md").read_text()
+
+
 @pytest.mark.slow
 def test_compare_pairs_seeds_and_calls_a_difference_only_outside_its_interval(tmp_path):
     for seed in range(3):
@@ -160,4 +195,12 @@ def test_compare_pairs_seeds_and_calls_a_difference_only_outside_its_interval(tm
     # Against dp: its run of the same seed, at every R.
     assert main(["report", str(tmp_path), "--compare", "diloco:dp"]) == 0
     assert "| 4 | 3 | 3 | +0.5000 ± 0.0000 | dp lower | +12.50 | +0.00 | — |" in (tmp_path / "compare.md").read_text()
+    assert "## Every pair" not in text  # one pair: its own table is the whole story
+    # Several pairs: one table of every pair's rows first, each row named by its pair.
+    assert main(["report", str(tmp_path), "--compare", "isoloco:diloco", "--compare", "diloco:dp"]) == 0
+    text = (tmp_path / "compare.md").read_text()
+    joined = text.split("## Every pair")[1].split("## isoloco − diloco")[0]
+    assert "| isoloco − diloco | 4 | 3 | 3 | -0.3000 ± 0.0497 | isoloco lower | +5.00 | +12.50 | 0.40 |" in joined
+    assert "| diloco − dp | 4 | 3 | 3 | +0.5000 ± 0.0000 | dp lower | +12.50 | +0.00 | — |" in joined
+    assert len([line for line in joined.splitlines() if line.startswith(("| isoloco − ", "| diloco − "))]) == 4
     assert main(["report", str(tmp_path), "--compare", "isoloco"]) == 2

@@ -10,7 +10,10 @@ the number of processes — makes a point of its own, its *variant*), and writes
 * `results.csv`: one row per run; `summary.csv`: mean and sample std over seeds, per point;
 * `results.md`: both tables in Markdown, with the plots linked;
 * `plots/`: validation loss and gap to DP against R (log2 axis) — and against H when the
-  directory holds several H — and the validation-loss curves of every run, one panel per R.
+  directory holds several H —, validation loss against each numeric knob a method was run at
+  several values of (a search or a grid: `outer.lr`, `merge.density`, ...), with the other
+  methods at the same R and H as lines to compare with, and the validation-loss curves of
+  every run, one panel per R.
 
 Rerunning on the same directory must give identical files, so the outputs carry no
 timestamps or absolute paths, rows are sorted, and PNGs are written without the Software
@@ -371,6 +374,70 @@ def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
     return fig
 
 
+def _knobs(runs: list[RunResult]) -> dict[str, list[str]]:
+    """Numeric config keys that are the one setting varying between a method's runs: knob -> methods."""
+    knobs: dict[str, list[str]] = {}
+    for method in dict.fromkeys(r.method for r in runs if not r.is_dp):
+        members = [r for r in runs if r.method == method and r.final_val_loss is not None]
+        names = {part.partition("=")[0] for r in members for part in r.variant.split()}
+        if len(names) != 1 or (key := names.pop()) not in _DEFAULT_SETTINGS:
+            continue
+        values = {dict(r.settings)[key] for r in members}
+        if len(values) > 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            knobs.setdefault(key, []).append(method)
+    return knobs
+
+
+def _against_knob(runs: list[RunResult], key: str, knobs: dict[str, list[str]]) -> Any:
+    """Final loss against `key`: a line per method searched over it (and R, H); the methods no knob was
+    searched for, at the same R and H, as flat references."""
+    from matplotlib.figure import Figure
+
+    methods = knobs[key]
+    trained = [r for r in runs if not r.is_dp and r.final_val_loss is not None]
+    searched = [r for r in trained if r.method in methods]
+    varying = [d for d in ("workers", "inner_steps", "tokens") if len({getattr(r, d) for r in searched}) > 1]
+    series: dict[str, dict[float, list[float]]] = {}
+    for r in searched:
+        series.setdefault(_series_label(replace(r, variant=""), varying), {}).setdefault(
+            dict(r.settings)[key], []).append(r.final_val_loss)
+    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(f"Final validation loss against {key}")
+    searched_any = {m for ms in knobs.values() for m in ms}
+    references = [g for g in group_runs([r for r in runs if r.method not in searched_any and r.final_val_loss is not None])
+                  if g.first.is_dp or (not varying and (g.first.workers, g.first.inner_steps, g.first.budget)
+                                       == (searched[0].workers, searched[0].inner_steps, searched[0].budget))]
+    colors = _colors([*series, *(g.first.label for g in references if not g.first.is_dp)])
+    for label, points in series.items():
+        xs = sorted(points)
+        stats = [_mean_std(points[x]) for x in xs]
+        ax.errorbar(xs, [m for m, _ in stats], yerr=[s or 0.0 for _, s in stats], marker="o", capsize=3,
+                    color=colors[label], label=label)
+    # Flat lines: what the searched method is compared with (dp; the other methods at its one R and H).
+    for group in references:
+        mean = _mean_std(group.values("final_val_loss"))[0]
+        if group.first.is_dp:
+            ax.axhline(mean, color="black", linestyle="--", linewidth=1, label="dp")
+        else:
+            ax.axhline(mean, color=colors[group.first.label], linestyle=":", linewidth=1.5, label=group.first.label)
+    ticks = sorted({x for points in series.values() for x in points})
+    if ticks[0] > 0 and ticks[-1] / ticks[0] >= 4:  # a search over scales (learning rates): log axis
+        from matplotlib.ticker import NullLocator
+
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(ticks, [f"{x:g}" for x in ticks], rotation=90 if len(ticks) > 5 else 0)
+    ax.set_xlabel(key)
+    ax.set_ylabel("final validation loss (mean ± std over seeds)")
+    ax.grid(True, alpha=0.3)
+    if len(series) + len(references) > LEGEND_INSIDE_AT_MOST:
+        fig.legend(loc="outside right upper", fontsize="small")
+    else:
+        ax.legend(fontsize="small")
+    return fig
+
+
 def _curves(runs: list[RunResult]) -> Any:
     """Validation loss against tokens, one panel per R; dp (dashed) in every panel."""
     from matplotlib.figure import Figure
@@ -428,6 +495,11 @@ def write_plots(runs: list[RunResult], folder: Path) -> list[tuple[str, str]]:
                     file = f"{stem}_vs_{short}.png"
                     _save(_against(runs, axis, gap), folder / file)
                     written.append((file, f"{caption} vs {short}"))
+        knobs = _knobs(runs)
+        for key in sorted(knobs):
+            file = f"val_loss_vs_{key}.png"
+            _save(_against_knob(runs, key, knobs), folder / file)
+            written.append((file, f"Final validation loss vs {key}"))
         if any(r.curve for r in runs):
             _save(_curves(runs), folder / "val_curves.png")
             written.append(("val_curves.png", "Validation loss curves"))
@@ -468,12 +540,15 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]]) -> str
     reached with the same seeds (B = a dp method: its run of the same seed, at every R and H),
     its 95% interval, whether it is called, and both methods' mean gaps to DP over those seeds;
     with several R, also how the difference changes from the smallest R to the largest. A and B
-    are run labels: a method, or a method and its variant ("isoc outer.lr=3.0")."""
+    are run labels: a method, or a method and its variant ("isoc outer.lr=3.0"). Several pairs
+    also get one table of every pair's rows first, to read (and quote) side by side."""
     finished = {(r.label, r.workers, r.inner_steps, r.budget, r.seed): r for r in runs if r.final_val_loss is not None}
     parts = ["# Paired comparisons", "",
              "Difference of final validation loss A − B over the seeds both ran (same seed: same initialisation "
              "and data order), mean ± the half-width of its 95% t-interval. A difference is called only when "
              "the interval excludes 0. The gaps to DP are means over the same seeds."]
+    sections: list[str] = []
+    every_pair: list[list[str]] = []
     for a, b in pairs:
         points: dict[tuple, dict[int, tuple[RunResult, RunResult]]] = {}
         for (label, workers, inner, budget, seed), run in finished.items():
@@ -488,11 +563,12 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]]) -> str
             rows.append([_dash(workers or None), _dash(inner or None), str(len(by_seed)), _interval(mean, half),
                          _verdict(mean, half, a, b), *(_fmt(g, "+.2f") or "—" for g in gaps),
                          _fmt(ratio, ".2f") or "—"])
-        parts += ["", f"## {a} − {b}", ""]
+        every_pair += [[f"{a} − {b}", *row] for row in rows]
+        sections += ["", f"## {a} − {b}", ""]
         if not rows:
-            parts.append(f"No point where both {a} and {b} finished with the same seed.")
+            sections.append(f"No point where both {a} and {b} finished with the same seed.")
             continue
-        parts.append(_md_table(["R", "H", "seeds", f"{a} − {b} (final loss)", "call", f"gap {a} (%)", f"gap {b} (%)",
+        sections.append(_md_table(["R", "H", "seeds", f"{a} − {b} (final loss)", "call", f"gap {a} (%)", f"gap {b} (%)",
                                 "gap ratio"], rows))
         by_r = {key[0]: seeds for key, seeds in points.items() if key[1] == min(k[1] for k in points)}
         if len(by_r) > 1:
@@ -504,9 +580,13 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]]) -> str
                 mean, half = mean_ci95(change)
                 trend = ("one seed: no call" if half is None else "within the spread" if abs(mean) <= half
                          else f"{a} gains on {b} as R grows" if mean < 0 else f"{a} loses ground to {b} as R grows")
-                parts += ["", f"Change of the difference from R = {low} to R = {high} ({len(common)} seeds): "
-                              f"{_interval(mean, half)} ({trend})."]
-    return "\n".join(parts) + "\n"
+                sections += ["", f"Change of the difference from R = {low} to R = {high} ({len(common)} seeds): "
+                                 f"{_interval(mean, half)} ({trend})."]
+    if len(pairs) > 1 and every_pair:
+        parts += ["", "## Every pair", "",
+                  _md_table(["A − B", "R", "H", "seeds", "A − B (final loss)", "call", "gap A (%)", "gap B (%)",
+                             "gap ratio"], every_pair)]
+    return "\n".join(parts + sections) + "\n"
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,164 @@
+r"""Write the report of every folder docs/claims.md quotes, after linking the runs each claim
+compares into one folder per claim (a *view*), so that one `isoloco report` and its --compare
+see them side by side.
+
+The runs stay where their sweeps wrote them (a sweep resumes only into its own folder); a
+view holds relative symbolic links, renamed where two sweeps used the same run name. Run it
+again after the sweeps add runs: it replaces the views' links and rewrites the reports.
+
+    python scripts/claim_reports.py          # every view and report
+    python scripts/claim_reports.py main     # one folder's report (and its view, if it is one)
+    python scripts/claim_reports.py --doc docs/claims.md     # then copy the tables into the page
+    python scripts/claim_reports.py --check docs/claims.md   # exit 1 if a table differs from its report
+
+A table of the page is copied from a report when the line two above it is a marker naming
+the file and the section (the `## ` heading the table follows), and optionally a regular
+expression that picks the rows: `<!-- table: results/claims/main/compare.md "isoloco − diloco" -->`
+or `<!-- table: results/claims/main/results.md "By method, R and H" rows: ^\| (dp|isoloco) \| -->`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+# view -> [(sweep folder, run-name pattern, prefix for the link's name)]
+VIEWS: dict[str, list[tuple[str, str, str]]] = {
+    "claim4": [("main", "dp-s*", ""), ("main", "diloco-R*-H30-s*", ""), ("main", "diloco_sgd-R*", ""),
+               ("main", "isoc-R*", ""), ("main", "isoloco-R*-H30-s*", ""), ("isoc-lr3", "isoc-R*", "lr3-")],
+    "claim6": [("main", "dp-s*", ""), ("main", "diloco_sgd-R8-*", ""), ("main", "isoc-R8-*", ""),
+               ("rules", "*-R8-H30-s*", ""), ("ties-d0.5", "ties-*", "d0.5-"), ("ties-d0.2", "ties-*", "d0.2-"),
+               ("dare-p0.5", "dare-*", "p0.5-"), ("dare-p0.8", "dare-*", "p0.8-")],
+    "claim7": [("main", "dp-s*", ""), ("main", "isoloco-R8-H30-s*", ""), ("main", "isoloco-R16-H30-s*", ""),
+               ("main", "isoloco_fast-R8-*", ""), ("main", "isoloco_fast-R16-*", ""),
+               ("fast-pe-inner", "isoloco_fast-*", "pe-inner-"), ("exact-gram", "isoloco-*", "gram-"),
+               ("fast-lr0.9", "isoloco_fast-*", "lr0.9-")],
+    # The outer-lr searches at R = 8, seed 0, beside the runs at each method's default lr.
+    "tune-r8": [("main", "dp-s0", ""), ("main", "diloco_sgd-R8-H30-s0", ""), ("main", "isoc-R8-H30-s0", ""),
+                ("main", "isoloco-R8-H30-s0", ""),
+                *[(f"tune/isoc-lr{lr}", "isoc-*", f"lr{lr}-") for lr in ("1.0", "1.4", "3.0", "4.0", "5.5")],
+                *[(f"tune/diloco_sgd-lr{lr}", "diloco_sgd-*", f"lr{lr}-") for lr in ("0.8", "1.1", "2.4")]],
+    "tune-fast-r8": [("main", "dp-s0", ""), ("main", "isoloco-R8-H30-s0", ""), ("main", "isoloco_fast-R8-H30-s0", ""),
+                     ("tune/isoloco_fast-lr0.6", "isoloco_fast-*", "lr0.6-"),
+                     ("tune/isoloco_fast-lr0.9", "isoloco_fast-*", "lr0.9-")],
+    "tune-muon-r8": [("main", "dp-s0", ""), ("main", "isoloco-R8-H30-s0", ""), ("tune/muon-r8", "*-R8-H30-s0", ""),
+                     *[(f"tune/isoloco_muon-lr{lr}", "isoloco_muon-*", f"lr{lr}-") for lr in ("0.7", "1.2")],
+                     *[(f"tune/muloco-lr{lr}", "muloco-*", f"lr{lr}-") for lr in ("0.4", "1.0")]],
+}
+
+
+def link_view(root: Path, view: str) -> int:
+    folder = root / view
+    folder.mkdir(exist_ok=True)
+    for old in folder.iterdir():
+        if old.is_symlink():
+            old.unlink()
+    count = 0
+    for sweep, pattern, prefix in VIEWS[view]:
+        for run in sorted((root / sweep).glob(pattern)):
+            if run.is_dir() and (run / "config.yaml").is_file():
+                (folder / f"{prefix}{run.name}").symlink_to(os.path.relpath(run, folder))
+                count += 1
+    return count
+
+
+NS_RMS = "isoloco_fast merge.ortho=newton_schulz merge.scale=rms"
+#: folder -> the --compare pairs of its report (docs/claims.md quotes them).
+REPORTS: dict[str, list[str]] = {
+    "main": ["isoloco:diloco", "isoloco:dp", "diloco:dp", "isoc:diloco", "isoloco:isoc", "isoloco_fast:isoloco",
+             "isoloco_muon:muloco", "isoloco:muloco", "isoloco_muon:isoloco"],
+    "claim4": ["isoc outer.lr=2.1:diloco", "isoc outer.lr=3.0:diloco", "isoloco:isoc outer.lr=2.1",
+               "isoloco:isoc outer.lr=3.0", "isoc outer.lr=2.1:diloco_sgd"],
+    "claim6": [*(f"ties merge.density={d}:diloco_sgd" for d in ("0.9", "0.5", "0.2")),
+               *(f"dare merge.drop_rate={p}:diloco_sgd" for p in ("0.1", "0.5", "0.8")),
+               "tsv:diloco_sgd", "isocts:diloco_sgd", "isocts:isoc", "isoc:diloco_sgd"],
+    "claim7": [f"{NS_RMS} outer.lr=1.2:isoloco merge.ortho=auto", f"{NS_RMS} outer.lr=0.9:isoloco merge.ortho=auto",
+               "isoloco_fast merge.ortho=polar_express merge.scale=inner outer.lr=1.2:isoloco merge.ortho=auto",
+               "isoloco merge.ortho=gram:isoloco merge.ortho=auto", f"{NS_RMS} outer.lr=0.9:{NS_RMS} outer.lr=1.2"],
+    "small": ["isoloco:diloco", "isoloco:dp", "diloco:dp"],
+    "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [],
+}
+
+
+MARKER = re.compile(r'^<!-- table: (?P<file>\S+) "(?P<section>[^"]+)"(?: rows: (?P<rows>.+?))? -->$')
+
+
+def report_table(file: Path, section: str, rows: str | None) -> list[str] | None:
+    """The first table after the `## section` heading of a report, with the rows `rows` matches;
+    None when the report has no such section."""
+    lines = file.read_text().splitlines() if file.is_file() else []
+    if f"## {section}" not in lines:
+        return None
+    start = next(i for i in range(lines.index(f"## {section}"), len(lines)) if lines[i].startswith("|"))
+    table = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    body = [line for line in table[2:] if rows is None or re.search(rows, line)]
+    return table[:2] + body
+
+
+def sync_tables(doc: Path, write: bool) -> list[tuple[str, str]]:
+    """Replace every marked table of `doc` by its report's (when `write`); return each stale
+    marker with what is wrong with its table."""
+    lines = doc.read_text().splitlines()
+    out: list[str] = []
+    stale: list[tuple[str, str]] = []
+    i = 0
+    while i < len(lines):
+        out.append(lines[i])
+        marker = MARKER.match(lines[i])
+        i += 1
+        if not marker:
+            continue
+        if lines[i] != "" or not lines[i + 1].startswith("|"):
+            raise SystemExit(f"{doc}:{i}: a table marker must be followed by one blank line and the table")
+        out.append("")
+        i += 1
+        old = []
+        while i < len(lines) and lines[i].startswith("|"):
+            old.append(lines[i])
+            i += 1
+        new = report_table(Path(marker["file"]), marker["section"], marker["rows"])
+        if new is None:
+            stale.append((marker.group(0), "its report has no such section: table left as it is"))
+            new = old
+        elif new != old:
+            stale.append((marker.group(0), "updated" if write else "differs from its report"))
+        out += new
+    if write:
+        doc.write_text("\n".join(out) + "\n")
+    return stale
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folders", nargs="*", metavar="FOLDER",
+                        help=f"the folders to report (default: all of {', '.join(REPORTS)})")
+    parser.add_argument("--root", default="results/claims", help="the folder holding the claims' sweeps")
+    parser.add_argument("--doc", metavar="PAGE", help="copy every marked table of PAGE from its report (no reports run)")
+    parser.add_argument("--check", metavar="PAGE", help="exit 1 when a marked table of PAGE differs from its report")
+    args = parser.parse_args()
+    if args.doc or args.check:
+        stale = sync_tables(Path(args.doc or args.check), write=bool(args.doc))
+        for marker, problem in stale:
+            print(f"{problem}: {marker}")
+        raise SystemExit(1 if stale and args.check else 0)
+    unknown = [folder for folder in args.folders if folder not in REPORTS]
+    if unknown:
+        parser.error(f"no report is defined for {', '.join(unknown)}; choose from {', '.join(REPORTS)}")
+    root = Path(args.root)
+    for folder in args.folders or REPORTS:
+        if folder in VIEWS:
+            print(f"{folder}: {link_view(root, folder)} runs linked")
+        compare = [arg for pair in REPORTS[folder] for arg in ("--compare", pair)]
+        subprocess.run([sys.executable, "-m", "isoloco", "report", str(root / folder), *compare], check=True)
+
+
+if __name__ == "__main__":
+    main()

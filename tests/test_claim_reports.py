@@ -1,0 +1,65 @@
+"""scripts/claim_reports.py: the tables of docs/claims.md are copies of the reports' tables."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "claim_reports.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("claim_reports", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+REPORT = """# Results: x
+
+## By method, R and H
+
+| method | R | loss |
+|---|---|---|
+| dp | — | 4.0 |
+| isoloco | 8 | 4.4 |
+| diloco | 8 | 4.7 |
+
+## Every run
+
+| run | loss |
+|---|---|
+| dp-s0 | 4.0 |
+"""
+
+
+def test_a_marked_table_is_replaced_by_the_rows_its_marker_picks(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("report.md").write_text(REPORT)
+    doc = Path("page.md")
+    doc.write_text('Intro.\n\n<!-- table: report.md "By method, R and H" rows: ^\\| (dp|isoloco) \\| -->\n\n'
+                   "| method | R | loss |\n|---|---|---|\n| dp | — | 3.9 |\n\nAfter.\n\n"
+                   '<!-- table: report.md "Every run" -->\n\n| run | loss |\n|---|---|\n| dp-s0 | 4.0 |\n')
+    sync = _script().sync_tables
+    assert sync(doc, write=False) == [(doc.read_text().splitlines()[2], "differs from its report")]
+    assert sync(doc, write=True)[0][1] == "updated"
+    text = doc.read_text()
+    assert "| dp | — | 4.0 |\n| isoloco | 8 | 4.4 |\n\nAfter." in text and "diloco" not in text
+    assert sync(doc, write=False) == []
+
+
+def test_a_marker_naming_a_missing_section_is_reported_and_its_table_kept(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("report.md").write_text(REPORT)
+    doc = Path("page.md")
+    doc.write_text('<!-- table: report.md "Every pair" -->\n\n| a |\n|---|\n| 1 |\n')
+    before = doc.read_text()
+    (stale,) = _script().sync_tables(doc, write=True)
+    assert stale[1].startswith("its report has no such section") and doc.read_text() == before
+
+
+def test_docs_claims_tables_match_the_committed_reports():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--check", "docs/claims.md"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
