@@ -45,8 +45,13 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
     "tune-fast-r8": [("main", "dp-s0", ""), ("main", "isoloco-R8-H30-s0", ""), ("main", "isoloco_fast-R8-H30-s0", ""),
                      ("tune/isoloco_fast-lr0.6", "isoloco_fast-*", "lr0.6-"),
                      ("tune/isoloco_fast-lr0.9", "isoloco_fast-*", "lr0.9-")],
+    "claim8": [("main", "dp-s*", ""), ("main", "isoloco-R16-H30-s*", ""), ("main", "muloco-R16-*", ""),
+               ("main", "isoloco_muon-R16-*", ""), ("muon-tuned", "*-R16-*", "tuned-")],
+    # tiny (main) and small at its own tuned inner lr: one dp per model, so each gap is to its own model's dp.
+    "claim9": [("main", "dp-s*", "tiny-"), ("main", "diloco-R8-H30-s*", "tiny-"), ("main", "isoloco-R8-H30-s*", "tiny-"),
+               ("small-lr0.004", "*-s*", "small-")],
     "tune-muon-r8": [("main", "dp-s0", ""), ("main", "isoloco-R8-H30-s0", ""), ("tune/muon-r8", "*-R8-H30-s0", ""),
-                     *[(f"tune/isoloco_muon-lr{lr}", "isoloco_muon-*", f"lr{lr}-") for lr in ("0.7", "1.2")],
+                     *[(f"tune/isoloco_muon-lr{lr}", "isoloco_muon-*", f"lr{lr}-") for lr in ("0.4", "0.7", "1.2")],
                      *[(f"tune/muloco-lr{lr}", "muloco-*", f"lr{lr}-") for lr in ("0.4", "1.0")]],
 }
 
@@ -79,7 +84,12 @@ REPORTS: dict[str, list[str]] = {
     "claim7": [f"{NS_RMS} outer.lr=1.2:isoloco merge.ortho=auto", f"{NS_RMS} outer.lr=0.9:isoloco merge.ortho=auto",
                "isoloco_fast merge.ortho=polar_express merge.scale=inner outer.lr=1.2:isoloco merge.ortho=auto",
                "isoloco merge.ortho=gram:isoloco merge.ortho=auto", f"{NS_RMS} outer.lr=0.9:{NS_RMS} outer.lr=1.2"],
+    "claim8": ["isoloco_muon outer.lr=0.7:muloco outer.lr=1.0", "isoloco:muloco outer.lr=1.0",
+               "isoloco_muon outer.lr=0.7:isoloco", "isoloco_muon outer.lr=1.8:muloco outer.lr=0.7",
+               "isoloco:muloco outer.lr=0.7", "isoloco_muon outer.lr=1.8:isoloco"],
     "small": ["isoloco:diloco", "isoloco:dp", "diloco:dp"],
+    "small-lr0.004": ["isoloco:diloco", "isoloco:dp", "diloco:dp"],
+    "claim9": [f"isoloco {size}:diloco {size}" for size in ("inner.lr=0.016 model=tiny", "inner.lr=0.004 model=small")],
     "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [],
 }
 

@@ -140,6 +140,22 @@ def test_runs_that_differ_in_more_than_the_seed_are_separate_points(tmp_path):
     assert "| 2 | 3 | 2 | +0.6000 ± 0.0000 | diloco outer.lr=0.7 processes=1 lower |" in (tmp_path / "compare.md").read_text()
 
 
+def test_gaps_are_to_the_strongest_dp_variant_when_dp_ran_with_several_settings(tmp_path):
+    """An inner-lr search of dp in the folder: every gap is to the dp lr with the lowest mean loss,
+    for every seed (not to whichever dp run sorts last), and results.md says which one."""
+    for seed in (0, 1):
+        _fake_run(tmp_path, f"dp-lr1-s{seed}", 4.0 + seed, method="dp", workers=1, seed=seed, **{"inner.lr": 0.001})
+        _fake_run(tmp_path, f"dp-lr2-s{seed}", 5.0 - 0.5 * seed, method="dp", workers=1, seed=seed,
+                  **{"inner.lr": 0.002})
+        _fake_run(tmp_path, f"diloco-s{seed}", 6.0, method="diloco", workers=2, inner_steps=3, seed=seed)
+    # Means: inner.lr=0.001 4.5, inner.lr=0.002 4.75 -> 0.001, even though seed 1 alone favours 0.002.
+    gaps = {r.seed: r.gap_pct for r in load_runs(tmp_path) if r.method == "diloco"}
+    assert gaps == {0: pytest.approx(50.0), 1: pytest.approx(20.0)}
+    write_report(tmp_path)
+    assert "the gaps are to `inner.lr=0.001`, the one with the lowest mean final loss" in (
+        tmp_path / "results.md").read_text()
+
+
 def test_a_knob_searched_over_several_values_gets_its_own_plot(tmp_path):
     """A density grid of ties is drawn against merge.density, with dp and the methods not searched at
     the same R as flat lines; a non-numeric setting or the process count gets no plot."""

@@ -139,11 +139,22 @@ def load_runs(directory: Path) -> list[RunResult]:
         raise ReportError(f"{directory} holds no run directories (folders with {CONFIG_FILE}); give the --out "
                           "folder of `isoloco sweep` or a folder of `isoloco train` runs")
     runs = sorted(_with_variants(runs), key=_sort_key)
-    # The reference of a run: the dp run of its budget and seed (the one without a variant if several).
-    reference: dict[tuple, float] = {}
-    for r in sorted((r for r in runs if r.is_dp and r.final_val_loss is not None), key=lambda r: r.variant == ""):
-        reference[r.budget, r.seed] = r.final_val_loss
+    # The reference of a run: the dp run of its budget and seed, of the strongest dp variant.
+    strongest = strongest_dp(runs)
+    reference = {(r.budget, r.seed): r.final_val_loss for r in runs if r.is_dp and r.final_val_loss is not None
+                 and r.variant == strongest[r.budget]}
     return [replace(r, gap_pct=_gap(r.final_val_loss, reference.get((r.budget, r.seed)))) for r in runs]
+
+
+def strongest_dp(runs: list[RunResult]) -> dict[tuple, str]:
+    """Budget -> the variant of its dp runs that the gaps are to. Where dp ran with several settings at
+    one budget (an lr search), the one with the lowest mean final loss: the strongest baseline, the
+    same one for every seed."""
+    best: dict[tuple, tuple[float, str]] = {}
+    for group in group_runs([r for r in runs if r.is_dp and r.final_val_loss is not None]):
+        candidate = (statistics.fmean(group.values("final_val_loss")), group.first.variant)
+        best[group.first.budget] = min(best.get(group.first.budget, candidate), candidate)
+    return {budget: variant for budget, (_, variant) in best.items()}
 
 
 def _show(value: Any) -> str:
@@ -274,6 +285,10 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                       f"methods {', '.join(manifest['methods'])}; R {', '.join(map(str, manifest['workers']))}; "
                       f"H {', '.join(map(str, manifest['inner_steps']))}; "
                       f"seeds {', '.join(map(str, manifest['seeds']))}."]
+    for (model, tokens), chosen in sorted(strongest_dp(runs).items()):
+        if chosen:
+            parts += ["", f"dp ran with several settings for model {model} at {tokens:,} tokens: the gaps are to "
+                          f"`{chosen}`, the one with the lowest mean final loss."]
     # A variant column only where runs of one method differ in more than seed, R and H.
     variant = (lambda r: [r.variant or "—"]) if any(r.variant for r in runs) else (lambda r: [])
     variant_header = ["variant"] if any(r.variant for r in runs) else []
@@ -405,9 +420,9 @@ def _against_knob(runs: list[RunResult], key: str, knobs: dict[str, list[str]]) 
     ax = fig.add_subplot()
     ax.set_title(f"Final validation loss against {key}")
     searched_any = {m for ms in knobs.values() for m in ms}
+    where = (searched[0].workers, searched[0].inner_steps, searched[0].budget)
     references = [g for g in group_runs([r for r in runs if r.method not in searched_any and r.final_val_loss is not None])
-                  if g.first.is_dp or (not varying and (g.first.workers, g.first.inner_steps, g.first.budget)
-                                       == (searched[0].workers, searched[0].inner_steps, searched[0].budget))]
+                  if g.first.is_dp or (not varying and (g.first.workers, g.first.inner_steps, g.first.budget) == where)]
     colors = _colors([*series, *(g.first.label for g in references if not g.first.is_dp)])
     for label, points in series.items():
         xs = sorted(points)
@@ -568,8 +583,8 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]]) -> str
         if not rows:
             sections.append(f"No point where both {a} and {b} finished with the same seed.")
             continue
-        sections.append(_md_table(["R", "H", "seeds", f"{a} − {b} (final loss)", "call", f"gap {a} (%)", f"gap {b} (%)",
-                                "gap ratio"], rows))
+        sections.append(_md_table(["R", "H", "seeds", f"{a} − {b} (final loss)", "call", f"gap {a} (%)",
+                                   f"gap {b} (%)", "gap ratio"], rows))
         by_r = {key[0]: seeds for key, seeds in points.items() if key[1] == min(k[1] for k in points)}
         if len(by_r) > 1:
             low, high = min(by_r), max(by_r)
