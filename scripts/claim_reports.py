@@ -50,6 +50,8 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
     # tiny (main) and small at its own tuned inner lr: one dp per model, so each gap is to its own model's dp.
     "claim9": [("main", "dp-s*", "tiny-"), ("main", "diloco-R8-H30-s*", "tiny-"), ("main", "isoloco-R8-H30-s*", "tiny-"),
                ("small-lr0.004", "*-s*", "small-")],
+    "tune-small": [("small", "dp-s0", "lr0.016-"),
+                   *[(f"tune/small-dp-lr{lr}", "dp-s0", f"lr{lr}-") for lr in ("0.008", "0.004", "0.002")]],
     "tune-muon-r8": [("main", "dp-s0", ""), ("main", "isoloco-R8-H30-s0", ""), ("tune/muon-r8", "*-R8-H30-s0", ""),
                      *[(f"tune/isoloco_muon-lr{lr}", "isoloco_muon-*", f"lr{lr}-") for lr in ("0.4", "0.7", "1.2")],
                      *[(f"tune/muloco-lr{lr}", "muloco-*", f"lr{lr}-") for lr in ("0.4", "1.0")]],
@@ -90,7 +92,7 @@ REPORTS: dict[str, list[str]] = {
     "small": ["isoloco:diloco", "isoloco:dp", "diloco:dp"],
     "small-lr0.004": ["isoloco:diloco", "isoloco:dp", "diloco:dp"],
     "claim9": [f"isoloco {size}:diloco {size}" for size in ("inner.lr=0.016 model=tiny", "inner.lr=0.004 model=small")],
-    "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [],
+    "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [], "tune-small": [],
 }
 
 
