@@ -50,8 +50,11 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
     # tiny (main) and small at its own tuned inner lr: one dp per model, so each gap is to its own model's dp.
     "claim9": [("main", "dp-s*", "tiny-"), ("main", "diloco-R8-H30-s*", "tiny-"), ("main", "isoloco-R8-H30-s*", "tiny-"),
                ("small-lr0.004", "*-s*", "small-")],
+    # DiLoCo at R = 1 taken apart: its outer step with dp's inner settings, and dp with DiLoCo's.
+    "regime-r1": [("main", "dp-s*", ""), ("main", "diloco-R1-H30-s*", ""), ("main", "diloco_sgd-R1-*", ""),
+                  ("r1-plain", "diloco_sgd-*", "lr1-"), ("r1-dp-inner", "diloco-*", "dp-inner-")],
     "tune-small": [("small", "dp-s0", "lr0.016-"),
-                   *[(f"tune/small-dp-lr{lr}", "dp-s0", f"lr{lr}-") for lr in ("0.008", "0.004", "0.002")]],
+                   *[(f"tune/small-dp-lr{lr}", "dp-s0", f"lr{lr}-") for lr in ("0.008", "0.004", "0.002", "0.001")]],
     "tune-muon-r8": [("main", "dp-s0", ""), ("main", "isoloco-R8-H30-s0", ""), ("tune/muon-r8", "*-R8-H30-s0", ""),
                      *[(f"tune/isoloco_muon-lr{lr}", "isoloco_muon-*", f"lr{lr}-") for lr in ("0.4", "0.7", "1.2")],
                      *[(f"tune/muloco-lr{lr}", "muloco-*", f"lr{lr}-") for lr in ("0.4", "1.0")]],
@@ -91,7 +94,10 @@ REPORTS: dict[str, list[str]] = {
                "isoloco:muloco outer.lr=0.7", "isoloco_muon outer.lr=1.8:isoloco"],
     "small": ["isoloco:diloco", "isoloco:dp", "diloco:dp"],
     "small-lr0.004": ["isoloco:diloco", "isoloco:dp", "diloco:dp"],
+    "small-lr0.002": ["isoloco:diloco", "isoloco:dp", "diloco:dp"],
     "claim9": [f"isoloco {size}:diloco {size}" for size in ("inner.lr=0.016 model=tiny", "inner.lr=0.004 model=small")],
+    "regime-r1": ["diloco_sgd outer.lr=1.0:dp", "diloco inner.grad_clip=0.0 inner.weight_decay=0.15:dp",
+                  "diloco inner.grad_clip=1.0 inner.weight_decay=0.1:dp", "diloco_sgd outer.lr=1.6:dp"],
     "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [], "tune-small": [],
 }
 

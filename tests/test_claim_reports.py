@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "claim_reports.py"
 
@@ -59,7 +61,8 @@ def test_a_marker_naming_a_missing_section_is_reported_and_its_table_kept(tmp_pa
     assert stale[1].startswith("its report has no such section") and doc.read_text() == before
 
 
-def test_docs_claims_tables_match_the_committed_reports():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--check", "docs/claims.md"], cwd=ROOT,
-                          capture_output=True, text=True)
+@pytest.mark.parametrize("page", ["docs/claims.md", "docs/results.md"])
+def test_the_docs_tables_match_the_committed_reports(page):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--check", page], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "<!-- table: " in (ROOT / page).read_text()  # the page has tables to check

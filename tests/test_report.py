@@ -2,6 +2,7 @@
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,12 @@ def test_gaps_are_to_the_strongest_dp_variant_when_dp_ran_with_several_settings(
     write_report(tmp_path)
     assert "the gaps are to `inner.lr=0.001`, the one with the lowest mean final loss" in (
         tmp_path / "results.md").read_text()
+    # dp runs that differ only between budgets (two models) are one setting per budget: nothing to say.
+    for name in ("dp-lr2-s0", "dp-lr2-s1"):
+        shutil.rmtree(tmp_path / name)
+    _fake_run(tmp_path, "dp-small-s0", 3.0, method="dp", workers=1, model="small")
+    write_report(tmp_path)
+    assert "dp ran with several settings" not in (tmp_path / "results.md").read_text()
 
 
 def test_a_knob_searched_over_several_values_gets_its_own_plot(tmp_path):

@@ -285,8 +285,9 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                       f"methods {', '.join(manifest['methods'])}; R {', '.join(map(str, manifest['workers']))}; "
                       f"H {', '.join(map(str, manifest['inner_steps']))}; "
                       f"seeds {', '.join(map(str, manifest['seeds']))}."]
+    dp_settings = [g.first.budget for g in group_runs([r for r in runs if r.is_dp and r.final_val_loss is not None])]
     for (model, tokens), chosen in sorted(strongest_dp(runs).items()):
-        if chosen:
+        if dp_settings.count((model, tokens)) > 1:
             parts += ["", f"dp ran with several settings for model {model} at {tokens:,} tokens: the gaps are to "
                           f"`{chosen}`, the one with the lowest mean final loss."]
     # A variant column only where runs of one method differ in more than seed, R and H.
