@@ -107,16 +107,18 @@ MARKER = re.compile(r'^<!-- table: (?P<file>\S+) "(?P<section>[^"]+)"(?: rows: (
 
 def report_table(file: Path, section: str, rows: str | None) -> list[str] | None:
     """The first table after the `## section` heading of a report, with the rows `rows` matches;
-    None when the report has no such section."""
+    None when the report has no such section or no table in it."""
     lines = file.read_text().splitlines() if file.is_file() else []
     if f"## {section}" not in lines:
         return None
-    start = next(i for i in range(lines.index(f"## {section}"), len(lines)) if lines[i].startswith("|"))
-    table = []
-    for line in lines[start:]:
-        if not line.startswith("|"):
+    table: list[str] = []
+    for line in lines[lines.index(f"## {section}") + 1:]:
+        if line.startswith("|"):
+            table.append(line)
+        elif table or line.startswith("## "):
             break
-        table.append(line)
+    if not table:
+        return None
     body = [line for line in table[2:] if rows is None or re.search(rows, line)]
     return table[:2] + body
 
@@ -134,8 +136,10 @@ def sync_tables(doc: Path, write: bool) -> list[tuple[str, str]]:
         i += 1
         if not marker:
             continue
-        if lines[i] != "" or not lines[i + 1].startswith("|"):
-            raise SystemExit(f"{doc}:{i}: a table marker must be followed by one blank line and the table")
+        if i + 1 >= len(lines) or lines[i] != "" or not lines[i + 1].startswith("|"):
+            print(f"error: {doc}:{i}: a table marker must be followed by one blank line and the table",
+                  file=sys.stderr)
+            raise SystemExit(2)
         out.append("")
         i += 1
         old = []
@@ -144,7 +148,7 @@ def sync_tables(doc: Path, write: bool) -> list[tuple[str, str]]:
             i += 1
         new = report_table(Path(marker["file"]), marker["section"], marker["rows"])
         if new is None:
-            stale.append((marker.group(0), "its report has no such section: table left as it is"))
+            stale.append((marker.group(0), "its report has no such table: table left as it is"))
             new = old
         elif new != old:
             stale.append((marker.group(0), "updated" if write else "differs from its report"))

@@ -58,7 +58,18 @@ def test_a_marker_naming_a_missing_section_is_reported_and_its_table_kept(tmp_pa
     doc.write_text('<!-- table: report.md "Every pair" -->\n\n| a |\n|---|\n| 1 |\n')
     before = doc.read_text()
     (stale,) = _script().sync_tables(doc, write=True)
-    assert stale[1].startswith("its report has no such section") and doc.read_text() == before
+    assert stale[1].startswith("its report has no such table") and doc.read_text() == before
+
+
+def test_a_marker_without_its_table_exits_2_and_leaves_the_page(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("report.md").write_text(REPORT)
+    doc = Path("page.md")
+    doc.write_text('<!-- table: report.md "Every run" -->\nNo table here.\n')
+    before = doc.read_text()
+    done = subprocess.run([sys.executable, str(SCRIPT), "--doc", str(doc)], capture_output=True, text=True)
+    assert done.returncode == 2 and "must be followed by one blank line and the table" in done.stderr
+    assert doc.read_text() == before
 
 
 @pytest.mark.parametrize("page", ["docs/claims.md", "docs/results.md"])

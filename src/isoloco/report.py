@@ -140,21 +140,21 @@ def load_runs(directory: Path) -> list[RunResult]:
                           "folder of `isoloco sweep` or a folder of `isoloco train` runs")
     runs = sorted(_with_variants(runs), key=_sort_key)
     # The reference of a run: the dp run of its budget and seed, of the strongest dp variant.
-    strongest = strongest_dp(runs)
+    strongest = {budget: variants[0] for budget, variants in dp_variants(runs).items()}
     reference = {(r.budget, r.seed): r.final_val_loss for r in runs if r.is_dp and r.final_val_loss is not None
                  and r.variant == strongest[r.budget]}
     return [replace(r, gap_pct=_gap(r.final_val_loss, reference.get((r.budget, r.seed)))) for r in runs]
 
 
-def strongest_dp(runs: list[RunResult]) -> dict[tuple, str]:
-    """Budget -> the variant of its dp runs that the gaps are to. Where dp ran with several settings at
-    one budget (an lr search), the one with the lowest mean final loss: the strongest baseline, the
-    same one for every seed."""
-    best: dict[tuple, tuple[float, str]] = {}
+def dp_variants(runs: list[RunResult]) -> dict[tuple, list[str]]:
+    """Budget -> the variants of its finished dp runs, lowest mean final loss first. The gaps are to
+    the first: where dp ran with several settings at one budget (an lr search), the strongest
+    baseline, the same one for every seed."""
+    means: dict[tuple, list[tuple[float, str]]] = {}
     for group in group_runs([r for r in runs if r.is_dp and r.final_val_loss is not None]):
-        candidate = (statistics.fmean(group.values("final_val_loss")), group.first.variant)
-        best[group.first.budget] = min(best.get(group.first.budget, candidate), candidate)
-    return {budget: variant for budget, (_, variant) in best.items()}
+        means.setdefault(group.first.budget, []).append(
+            (statistics.fmean(group.values("final_val_loss")), group.first.variant))
+    return {budget: [variant for _, variant in sorted(found)] for budget, found in means.items()}
 
 
 def _show(value: Any) -> str:
@@ -285,11 +285,10 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                       f"methods {', '.join(manifest['methods'])}; R {', '.join(map(str, manifest['workers']))}; "
                       f"H {', '.join(map(str, manifest['inner_steps']))}; "
                       f"seeds {', '.join(map(str, manifest['seeds']))}."]
-    dp_settings = [g.first.budget for g in group_runs([r for r in runs if r.is_dp and r.final_val_loss is not None])]
-    for (model, tokens), chosen in sorted(strongest_dp(runs).items()):
-        if dp_settings.count((model, tokens)) > 1:
+    for (model, tokens), variants in sorted(dp_variants(runs).items()):
+        if len(variants) > 1:
             parts += ["", f"dp ran with several settings for model {model} at {tokens:,} tokens: the gaps are to "
-                          f"`{chosen}`, the one with the lowest mean final loss."]
+                          f"`{variants[0]}`, the one with the lowest mean final loss."]
     # A variant column only where runs of one method differ in more than seed, R and H.
     variant = (lambda r: [r.variant or "—"]) if any(r.variant for r in runs) else (lambda r: [])
     variant_header = ["variant"] if any(r.variant for r in runs) else []
