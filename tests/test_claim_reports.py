@@ -36,10 +36,15 @@ REPORT = """# Results: x
 """
 
 
-def test_a_marked_table_is_replaced_by_the_rows_its_marker_picks(tmp_path, monkeypatch):
+@pytest.fixture
+def doc(tmp_path, monkeypatch):
+    """A page to sync in an empty folder that holds one report, `report.md`."""
     monkeypatch.chdir(tmp_path)
     Path("report.md").write_text(REPORT)
-    doc = Path("page.md")
+    return Path("page.md")
+
+
+def test_a_marked_table_is_replaced_by_the_rows_its_marker_picks(doc):
     doc.write_text('Intro.\n\n<!-- table: report.md "By method, R and H" rows: ^\\| (dp|isoloco) \\| -->\n\n'
                    "| method | R | loss |\n|---|---|---|\n| dp | — | 3.9 |\n\nAfter.\n\n"
                    '<!-- table: report.md "Every run" -->\n\n| run | loss |\n|---|---|\n| dp-s0 | 4.0 |\n')
@@ -51,20 +56,14 @@ def test_a_marked_table_is_replaced_by_the_rows_its_marker_picks(tmp_path, monke
     assert sync(doc, write=False) == []
 
 
-def test_a_marker_naming_a_missing_section_is_reported_and_its_table_kept(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    Path("report.md").write_text(REPORT)
-    doc = Path("page.md")
+def test_a_marker_naming_a_missing_section_is_reported_and_its_table_kept(doc):
     doc.write_text('<!-- table: report.md "Every pair" -->\n\n| a |\n|---|\n| 1 |\n')
     before = doc.read_text()
     (stale,) = _script().sync_tables(doc, write=True)
     assert stale[1].startswith("its report has no such table") and doc.read_text() == before
 
 
-def test_a_marker_without_its_table_exits_2_and_leaves_the_page(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    Path("report.md").write_text(REPORT)
-    doc = Path("page.md")
+def test_a_marker_without_its_table_exits_2_and_leaves_the_page(doc):
     doc.write_text('<!-- table: report.md "Every run" -->\nNo table here.\n')
     before = doc.read_text()
     done = subprocess.run([sys.executable, str(SCRIPT), "--doc", str(doc)], capture_output=True, text=True)
