@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from isoloco import merge
+from isoloco import merge, rules
 from isoloco.ortho import IsoSettings
 from isoloco.bench.workload import trained_deltas
 
@@ -63,7 +63,7 @@ def iso_cts_before(deltas: list[torch.Tensor], fraction: float = 0.8) -> torch.T
 
 def ties_theirs(deltas: list[torch.Tensor], density: float = 0.9) -> torch.Tensor:
     """The paper's code: the elected sign of a zero sum is 0, so no entry agrees there."""
-    trimmed = torch.stack([merge._trim(d, density) for d in deltas])
+    trimmed = torch.stack([rules.trim(d, density) for d in deltas])
     agree = torch.sign(trimmed) == torch.sign(trimmed.sum(0))
     return (trimmed * agree).sum(0) / agree.sum(0).clamp_min(1)
 
@@ -92,7 +92,7 @@ def main() -> None:
         matrices = [d for d in deltas.values() if d[0].ndim == 2]
         everything = list(deltas.values())
         cts_now = [merge.iso_cts(d) for d in matrices]
-        zero_sums = sum(int((torch.stack([merge._trim(x, 0.9) for x in d]).sum(0) == 0).sum()) for d in everything)
+        zero_sums = sum(int((torch.stack([rules.trim(x, 0.9) for x in d]).sum(0) == 0).sum()) for d in everything)
         entries = sum(d[0].numel() for d in everything)
         print(f"| {workers} | {relative([iso_cts_before(d) for d in matrices], cts_now):.2%} "
               f"| {relative([merge.iso_c(d, IsoSettings(ortho='svd')) for d in matrices], [iso_c_theirs(d) for d in matrices]):.1e} "

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from isoloco import checkpoint as ckpt
-from isoloco import merge
+from isoloco import rules
 from isoloco.bench import comm as bench_comm
 from isoloco.bench.workload import parameter_shapes
 from isoloco.config import DEFAULT_PRESET, TrainConfig, parse_overrides, resolve
@@ -70,20 +70,21 @@ def _train_cases(rank: int, world_size: int, port: int, root: str, cases: dict) 
 
 
 def _check_shard_map(rank: int, world_size: int, root: Path) -> None:
-    """Each process orthogonalises its own share; every process gets every result."""
-    cfg = resolve(None, {**SMALL, "workers": world_size})
-    comm = Distributed(cfg).comm
-    assert isinstance(comm, TorchCommunicator)
+    """Islands of one process each orthogonalise every matrix themselves (nothing crosses the
+    slow link); one island of every process shares them out. Every process gets every result."""
     generator = torch.Generator().manual_seed(0)
     matrices = [torch.randn(8 + i, 6, generator=generator) for i in range(5)]
-    computed = []
+    computed: dict[int, list[int]] = {}
+    for island in (1, world_size):
+        comm = Distributed(resolve(None, {**SMALL, "workers": world_size // island, "gpus_per_worker": island})).comm
+        assert isinstance(comm, TorchCommunicator)
 
-    def orthogonalise(matrix: torch.Tensor) -> torch.Tensor:
-        computed.append(matrix.shape[0])
-        return torch.linalg.qr(matrix).Q
+        def orthogonalise(matrix: torch.Tensor) -> torch.Tensor:
+            computed.setdefault(island, []).append(matrix.shape[0])
+            return torch.linalg.qr(matrix).Q
 
-    for matrix, result in zip(matrices, comm.shard_map(orthogonalise, matrices)):
-        torch.testing.assert_close(result, torch.linalg.qr(matrix).Q, rtol=0, atol=0)
+        for matrix, result in zip(matrices, comm.shard_map(orthogonalise, matrices)):
+            torch.testing.assert_close(result, torch.linalg.qr(matrix).Q, rtol=0, atol=0)
     (root / f"shard_map.{rank}.json").write_text(json.dumps(computed))
 
 
@@ -157,10 +158,11 @@ def test_two_processes_train_what_one_process_trains(two_process_runs, one_proce
     assert ckpt.verify(ckpt.latest_checkpoint(two_process_runs / case / "checkpoints"))["layout"]["processes"] == 2
 
 
-def test_orthogonalisation_is_shared_between_processes(two_process_runs):
+def test_orthogonalisation_is_shared_inside_an_island_only(two_process_runs):
     shares = [json.loads((two_process_runs / f"shard_map.{rank}.json").read_text()) for rank in range(2)]
-    assert sorted(shares[0] + shares[1]) == [8, 9, 10, 11, 12]  # every matrix once
-    assert shares[0] and shares[1]  # both processes worked
+    assert all(sorted(share["1"]) == [8, 9, 10, 11, 12] for share in shares)  # islands of one: each its own
+    assert sorted(shares[0]["2"] + shares[1]["2"]) == [8, 9, 10, 11, 12]  # one island: every matrix once
+    assert shares[0]["2"] and shares[1]["2"]  # both processes worked
 
 
 # -- bytes per worker per round ----------------------------------------------------------------
@@ -170,21 +172,33 @@ def bytes_per_round(run: Path) -> list[int]:
     return [m["bytes_per_worker"] for m in read_metrics(run / "metrics.jsonl") if "bytes_per_worker" in m]
 
 
+def counts(run: Path, key: str) -> list[float]:
+    return [m[key] for m in read_metrics(run / "metrics.jsonl") if key in m]
+
+
 def link_bytes(run: Path, link: str) -> list[float]:
-    return [m[f"bytes_{link}"] for m in read_metrics(run / "metrics.jsonl") if f"bytes_{link}" in m]
+    return counts(run, link if link.startswith("wire_") else f"bytes_{link}")
+
+
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"dp"}))
+def test_a_synchronisation_makes_few_collectives(two_process_runs, case):
+    """Buckets: one collective per phase of the rule, however many tensors (with 2 processes
+    on gloo, at most 8 per synchronisation of this model)."""
+    assert all(1 <= calls <= 8 for calls in counts(two_process_runs / case, "collectives"))
 
 
 def test_mean_and_iso_c_send_one_model_per_worker_per_round(two_process_runs, one_process_runs):
     model_bytes = 4 * count_parameters(one_process_runs["mean"].model)
-    matrix_bytes = sum(4 * p.numel() for p in one_process_runs["mean"].global_params if p.ndim == 2)
     for case in ("mean", "iso_c", "iso_c_update"):
         assert bytes_per_round(two_process_runs / case) == [model_bytes, model_bytes]
         assert bytes_per_round(one_process_runs[case].out_dir) == [model_bytes, model_bytes]
-        # G = 1: every process is an island and sends its whole sum across. Sharing Iso-C's
-        # orthogonalisations among the 2 processes broadcasts every matrix once: half per process.
-        shared = matrix_bytes / 2 if case != "mean" else 0
-        assert link_bytes(two_process_runs / case, "cross_island") == [model_bytes + shared] * 2
+        # G = 1: every process is an island and sends its whole sum across, in one all-reduce
+        # (one bucket); each island computes its own orthogonalisations, so nothing else crosses.
+        # A ring all-reduce over 2 processes puts 2·(2 − 1)/2 of the tensor on the wire.
+        assert link_bytes(two_process_runs / case, "cross_island") == [model_bytes] * 2
+        assert link_bytes(two_process_runs / case, "wire_bytes_cross_island") == [model_bytes] * 2
         assert link_bytes(two_process_runs / case, "in_island") == [0, 0]
+        assert counts(two_process_runs / case, "collectives") == [1, 1]
 
 
 def test_tsv_sends_less_than_every_full_matrix(two_process_runs, one_process_runs):
@@ -238,27 +252,27 @@ def sliced(floats: int, slices: int) -> int:
 
 
 def cross_island_floats(cfg: TrainConfig, shapes: list[torch.Size], workers_per_island: int) -> list[int]:
-    """Per tensor, what one island sends across islands per round: its sums (one model for
-    mean, Iso-C and DARE; TIES: the trimmed sum, then the masked sum and count stacked) and
-    its workers' factors (TSV: k triplets each; Iso-CTS: the mean, then s triplets each)."""
+    """Per collective (this model is one bucket: one collective per phase of the rule and
+    kind), what one island sends across islands per round: its sums (one model for mean, Iso-C
+    and DARE; TIES: the trimmed sum, then the masked sum and count stacked) and its workers'
+    factors (TSV: k triplets each, the other tensors' sum beside them; Iso-CTS: the mean,
+    then s triplets each)."""
     rule = cfg.merge.rule
 
     def factors(shape: torch.Size, per_worker: int) -> int:
         return workers_per_island * per_worker * (sum(shape) + 1)
 
-    counts = []
-    for shape in shapes:
-        numel = shape.numel()
-        if rule == "ties":
-            counts += [numel, 2 * numel]
-        elif rule == "tsv" and len(shape) == 2:
-            counts.append(factors(shape, merge.tsv_components(min(shape), cfg.workers)))
-        elif rule == "iso_cts" and len(shape) == 2:
-            per_worker = merge.iso_cts_split(min(shape), cfg.workers, cfg.merge.common_fraction)[1]
-            counts += [numel, factors(shape, per_worker)]
-        else:
-            counts.append(numel)
-    return counts
+    numel = sum(shape.numel() for shape in shapes)
+    matrices = [shape for shape in shapes if len(shape) == 2]
+    if rule == "ties":
+        return [numel, 2 * numel]
+    if rule == "tsv":
+        rest = numel - sum(shape.numel() for shape in matrices)
+        return [rest, sum(factors(shape, rules.tsv_components(min(shape), cfg.workers)) for shape in matrices)]
+    if rule == "iso_cts":
+        split = [rules.iso_cts_split(min(shape), cfg.workers, cfg.merge.common_fraction)[1] for shape in matrices]
+        return [numel, sum(factors(shape, s) for shape, s in zip(matrices, split))]
+    return [numel]
 
 
 @pytest.mark.parametrize("case", sorted(ISLAND_CASES))
@@ -272,6 +286,9 @@ def test_each_process_sends_its_share_of_one_island_copy_across_islands(island_r
     cross = sum(sliced(floats, 2) for floats in cross_island_floats(cfg, shapes, workers_per_island=1))
     rounds = cfg.steps // cfg.inner_steps
     assert link_bytes(island_runs / case, "cross_island") == [cross] * rounds
+    # Two islands: a ring all-reduce puts 2·(2 − 1)/2 of a slice on the wire, an all-gather
+    # (2 − 1) blocks; either way what a process hands in.
+    assert link_bytes(island_runs / case, "wire_bytes_cross_island") == [cross] * rounds
     if case in ("mean", "dare", "iso_c"):
         assert cross == 4 * sum(shape.numel() for shape in shapes) // 2
     if case in ("mean", "dare", "ties"):
@@ -297,10 +314,10 @@ def test_the_split_divides_each_processs_cross_island_bytes_by_g():
     assert cross[2]["diloco"] == {"before": model, "after": model / 2}
     assert counts[2]["diloco"]["after"]["bytes_in_island"] == model / 2  # each process's slice, all-gathered
     assert cross[2]["tsv"]["after"] == cross[2]["tsv"]["before"] / 2 < model / 2
-    # Iso-C: before, the orthogonalised matrices are broadcast to all 4 processes (a quarter each,
-    # across islands); after, inside the island (half each, over the fast link).
-    assert cross[1]["isoloco"] == {"before": model + matrices / 4, "after": model + matrices / 4}
-    assert cross[2]["isoloco"] == {"before": model + matrices / 4, "after": model / 2}
+    # Iso-C: nothing but the sum crosses islands; with G = 2 the orthogonalised matrices are
+    # shared inside the island (half each, over the fast link).
+    assert cross[1]["isoloco"] == {"before": model, "after": model}
+    assert cross[2]["isoloco"] == {"before": model, "after": model / 2}
     assert counts[2]["isoloco"]["after"]["bytes_in_island"] == model / 2 + matrices / 2
 
 
@@ -308,7 +325,7 @@ def test_the_split_divides_each_processs_cross_island_bytes_by_g():
 
 TIMEOUT_S = 10
 CLI_RUN = [*SMALL_ARGS, "steps=40", "inner_steps=5", "workers=2", "eval_every=20", "checkpoint_every=10",
-           "method=isoloco", f"dist.timeout_s={TIMEOUT_S}"]
+           "method=isoloco", f"dist.peer_silence_s={TIMEOUT_S}"]
 ENV = ONE_THREAD_ENV
 
 
@@ -362,9 +379,13 @@ def test_a_killed_process_stops_the_others_and_its_checkpoint_survives(killed):
     assert_stopped_naming_rank_1(rank0, stderr, seconds, run)
 
 
-def test_a_hung_process_stops_the_others_within_the_timeout(tmp_path):
+def test_a_hung_process_stops_the_others_after_the_peer_silence(tmp_path):
+    # The collectives keep their default 600 s timeout: only the watchdog's silence threshold
+    # (dist.peer_silence_s) can stop rank 0 this soon.
     run = tmp_path / "run"
-    assert_stopped_naming_rank_1(*lose_a_process(run, signal.SIGSTOP), run)
+    rank0, stderr, seconds = lose_a_process(run, signal.SIGSTOP)
+    assert_stopped_naming_rank_1(rank0, stderr, seconds, run)
+    assert f"no heartbeat for {TIMEOUT_S:.1f}s" in stderr and "(dist.peer_silence_s)" in stderr, stderr
 
 
 FAILING_RANK = """
@@ -403,7 +424,7 @@ def test_resume_after_a_lost_process_matches_an_uninterrupted_run(killed, tmp_pa
     alone = subprocess.run([sys.executable, "-m", "isoloco", "train", "--resume", str(killed_run), "--quiet"],
                            capture_output=True, text=True, env=ENV)
     assert alone.returncode == 2, alone.stderr
-    assert "layout" in alone.stderr and "'processes': 2" in alone.stderr
+    assert "written by 2 workers on 2 processes" in alone.stderr, alone.stderr
     # The same layout resumes (through `isoloco launch`, i.e. torchrun) to the same numbers.
     resumed = subprocess.run([sys.executable, "-m", "isoloco", "launch", "--nproc", "2", "--", "train", "--resume",
                               str(killed_run), "--quiet"], capture_output=True, text=True, env=ENV, timeout=300)
@@ -458,7 +479,7 @@ def launch_args(*argv: str):
     import argparse
 
     parser = argparse.ArgumentParser()
-    add_launch_command(parser.add_subparsers(), check_command=lambda command, processes: 0)
+    add_launch_command(parser.add_subparsers(), preflight=lambda command, processes: None)
     return parser.parse_args(["launch", *argv])
 
 

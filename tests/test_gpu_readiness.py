@@ -1,5 +1,10 @@
-"""What a GPU run needs, checked on the CPU: device checks before CUDA is touched, and the
-bucketed gradient all-reduce."""
+"""What a GPU run needs, checked on the CPU: device checks before CUDA is touched, the
+bucketed gradient all-reduce, and scripts/gpu_check.py, which must fail on a broken input."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +137,89 @@ def test_dare_masks_on_the_gpu_are_the_cpu_masks():
     on_cpu = merger.merge("w", deltas, round=2)
     assert torch.equal(on_gpu != 0, on_cpu != 0)
     torch.testing.assert_close(on_gpu, on_cpu)
+
+
+GPU_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+def _gpu_check(monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_check_fails_fast_orthogonalisations_that_return_noise(monkeypatch, capsys):
+    from isoloco import ortho
+
+    def noise(matrix, steps, dtype):
+        factor = torch.randn(matrix.shape, generator=torch.Generator().manual_seed(0))
+        return ortho.Polar(factor / factor.norm() * min(matrix.shape) ** 0.5, None)
+
+    gpu_check = _gpu_check(monkeypatch)
+    for method in ("newton_schulz", "polar_express"):
+        monkeypatch.setitem(ortho.POLAR_METHODS, method, noise)
+    assert gpu_check.main(["--dry-run", "--only", "fast"]) == 1
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| fast Iso-C")]
+    assert rows and all("| **no** |" in row for row in rows)
+    assert all("error ≤" in row for row in rows)  # each row prints the bound it failed
+
+
+def test_the_gpu_check_refuses_an_unknown_check():
+    done = subprocess.run([sys.executable, str(GPU_CHECK), "--dry-run", "--only", "fast,speed"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "choose from exact, fast" in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_gpu_check_dry_run_passes_every_check_on_the_cpu():
+    done = subprocess.run([sys.executable, str(GPU_CHECK), "--dry-run"], capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    verdicts = [row.split(" | ")[-2] for row in rows]
+    assert len(rows) >= 9 and set(verdicts) == {"yes"}, done.stdout
+
+
+def _offload_runs(tmp_path, device: str, **overrides) -> dict:
+    from isoloco.config import resolve
+    from isoloco.trainer import Trainer
+
+    from helpers import SMALL
+
+    runs = {}
+    for offload in (False, True):
+        cfg = {**SMALL, "device": device, "steps": 4, "inner_steps": 2, "workers": 4, "eval_every": 4,
+               "offload_workers": offload, **overrides}
+        (tmp_path / f"offload-{offload}").mkdir()
+        runs[offload] = Trainer(resolve(None, cfg), tmp_path / f"offload-{offload}", progress=False)
+        runs[offload].run()
+    return runs
+
+
+def test_offload_on_the_cpu_keeps_off_pinned_memory_and_side_streams(tmp_path, monkeypatch):
+    """Pinned buffers and the prefetch stream serve offload from a GPU: a CPU run with
+    offload_workers=true reaches neither, and gives the bits of a run without it."""
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("a CPU run reached a CUDA API")
+
+    for api in ("cudart", "Stream", "current_stream"):
+        monkeypatch.setattr(torch.cuda, api, no_cuda)
+    runs = _offload_runs(tmp_path, "cpu")
+    for a, b in zip(runs[False].global_params, runs[True].global_params, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+def test_offload_with_pinned_memory_and_prefetch_gives_the_bits_of_no_offload(tmp_path):
+    runs = _offload_runs(tmp_path, "cuda", deterministic=True)
+    torch.use_deterministic_algorithms(False)  # process-wide: leave the other tests as they were
+    for a, b in zip(runs[False].global_params, runs[True].global_params, strict=True):
+        assert torch.equal(a, b)
+    worker = runs[True].workers[-1]
+    moments = [v for opt in worker.optimizer.optimizers for s in opt.state.values() for v in s.values()
+               if v.ndim > 0]
+    assert moments and all(t.device.type == "cpu" and t.is_pinned() for t in moments + worker.delta)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft.utils import merge_utils
 
-from isoloco import merge
+from isoloco import merge, rules
 from isoloco.comm import Communicator, LocalCommunicator
 from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.ortho import IsoSettings
@@ -91,7 +91,7 @@ def test_iso_cts_is_isotropic_and_spans_common_plus_worker_directions(common_fra
     torch.testing.assert_close(sigma, sigma.mean().expand_as(sigma), rtol=1e-8, atol=0)
     # The common block: the top r − R·s left singular vectors of the mean lie in the result's range.
     rank = 12
-    _, per_worker = merge.iso_cts_split(rank, 3, common_fraction)
+    _, per_worker = rules.iso_cts_split(rank, 3, common_fraction)
     u_mean = torch.linalg.svd(torch.stack(deltas).mean(0))[0][:, : rank - 3 * per_worker]
     u_out = torch.linalg.svd(result, full_matrices=False)[0]
     torch.testing.assert_close(projector(u_out) @ u_mean, u_mean, atol=1e-8, rtol=0)
@@ -111,7 +111,7 @@ def test_iso_cts_is_isotropic_and_spans_common_plus_worker_directions(common_fra
     ],
 )
 def test_iso_cts_split_follows_the_papers_code(rank, workers, fraction, split):
-    assert merge.iso_cts_split(rank, workers, fraction) == split
+    assert rules.iso_cts_split(rank, workers, fraction) == split
 
 
 def polar_np(x: np.ndarray) -> np.ndarray:
@@ -137,7 +137,7 @@ def test_iso_cts_hand_checked_case():
     value is the mean of σ(mean)[:16] and each worker's top σ of residual_r / R."""
     workers = 8
     deltas = make_deltas(workers, (24, 30), dtype=torch.float64)
-    result = merge.iso_cts(deltas, common_fraction=0.8)
+    result = merge.iso_cts(deltas, common_fraction=0.8, factors="exact")
     mean = torch.stack(deltas).mean(0)
     u, s, _ = torch.linalg.svd(mean, full_matrices=False)
     u_c = u[:, :16]
@@ -150,8 +150,9 @@ def test_iso_cts_hand_checked_case():
 @pytest.mark.parametrize("workers, shape", [(2, (12, 8)), (3, (9, 14)), (4, (10, 10)), (8, (24, 30))])
 def test_iso_cts_matches_its_definition(workers, shape):
     deltas = make_deltas(workers, shape, dtype=torch.float64)
-    common, per_worker = merge.iso_cts_split(min(shape), workers, 0.8)
-    np.testing.assert_allclose(merge.iso_cts(deltas).numpy(), reference_iso_cts(deltas, common, per_worker), atol=1e-12)
+    common, per_worker = rules.iso_cts_split(min(shape), workers, 0.8)
+    np.testing.assert_allclose(merge.iso_cts(deltas, factors="exact").numpy(),
+                               reference_iso_cts(deltas, common, per_worker), atol=1e-12)
 
 
 def reference_tsv(deltas: list[torch.Tensor]) -> np.ndarray:
@@ -169,7 +170,7 @@ def reference_tsv(deltas: list[torch.Tensor]) -> np.ndarray:
 def test_tsv_matches_its_definition(workers, shape):
     """Including R > r, where every worker still keeps its top direction."""
     deltas = make_deltas(workers, shape, dtype=torch.float64)
-    np.testing.assert_allclose(merge.tsv(deltas).numpy(), reference_tsv(deltas), atol=1e-10)
+    np.testing.assert_allclose(merge.tsv(deltas, factors="exact").numpy(), reference_tsv(deltas), atol=1e-10)
 
 
 def test_tsv_of_one_worker_is_its_delta():
@@ -199,13 +200,13 @@ def test_ties_matches_peft(density, workers):
 def test_ties_keeps_ties_at_the_threshold():
     delta = torch.tensor([3.0, -1.0, 1.0, 0.5])
     # density 0.5 keeps 2 entries; |-1| and |1| tie for second place, so both stay.
-    assert torch.equal(merge._trim(delta, 0.5), torch.tensor([3.0, -1.0, 1.0, 0.0]))
+    assert torch.equal(rules.trim(delta, 0.5), torch.tensor([3.0, -1.0, 1.0, 0.0]))
 
 
 def test_ties_keeps_at_least_one_entry_per_tensor():
     # density 0.2 of 4 entries is 0.8: the paper's code still keeps the largest one.
     delta = torch.tensor([0.5, -3.0, 1.0, 2.0])
-    assert torch.equal(merge._trim(delta, 0.2), torch.tensor([0.0, -3.0, 0.0, 0.0]))
+    assert torch.equal(rules.trim(delta, 0.2), torch.tensor([0.0, -3.0, 0.0, 0.0]))
 
 
 def test_dare_without_dropping_is_the_mean():
@@ -215,28 +216,49 @@ def test_dare_without_dropping_is_the_mean():
 
 def test_dare_is_unbiased():
     deltas = make_deltas(3, (4, 5), dtype=torch.float64)
-    generator = torch.Generator().manual_seed(0)
-    draws = 4000
-    total = sum(merge.dare(deltas, drop_rate=0.3, generator=generator) for _ in range(draws))
+    draws = 2000
+    total = sum(merge.dare(deltas, drop_rate=0.3, seed=seed) for seed in range(draws))
     # Each entry's estimator has variance Σ_r Δ_r² · p/(1−p) / R²; allow 5 standard errors.
     stderr = (torch.stack(deltas).pow(2).sum(0) * (0.3 / 0.7) / 9 / draws).sqrt()
     assert ((total / draws - merge.mean(deltas)).abs() < 5 * stderr).all()
 
 
+def dare_mask(seed: int, worker: int, round: int, name: str, shape: tuple, drop_rate: float) -> torch.Tensor:
+    numel = math.prod(shape)
+    return rules.keep_mask(rules.mask_key(seed, worker, round, name), 0, numel, 1 - drop_rate,
+                           torch.device("cpu")).view(shape)
+
+
 @pytest.mark.parametrize("drop_rate", [0.1, 0.5])
-def test_dare_matches_peft_mask_for_mask(drop_rate):
-    """Masks are drawn as peft draws them (bernoulli of full_like(Δ, 1 − p), delta by delta),
-    so the same generator state gives the same masks; the values differ only in rounding
-    (peft weights each delta by 1/R before summing, the rule divides the sum by R)."""
-    deltas = make_deltas(3, (8, 6))
-    torch.manual_seed(1234)
-    expected = merge_utils.dare_linear(deltas, torch.full((3,), 1 / 3), density=1 - drop_rate)
-    actual = merge.dare(deltas, drop_rate=drop_rate, generator=torch.Generator().manual_seed(1234))
-    assert torch.equal(actual == 0, expected == 0)
-    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-7)
-    # Torch's global generator (generator=None) is the same stream.
-    torch.manual_seed(1234)
-    assert torch.equal(merge.dare(deltas, drop_rate=drop_rate), actual)
+def test_dare_is_its_definition_with_the_counter_based_masks(drop_rate):
+    """Mask, rescale by 1/(1 − p), mean: what peft's dare_linear computes for given masks."""
+    deltas = make_deltas(3, (8, 6), dtype=torch.float64)
+    masks = [dare_mask(7, r, 0, "tensor", (8, 6), drop_rate) for r in range(3)]
+    expected = sum(d * m / (1 - drop_rate) for d, m in zip(deltas, masks)) / 3
+    torch.testing.assert_close(merge.dare(deltas, drop_rate=drop_rate, seed=7), expected, rtol=1e-12, atol=0)
+
+
+def test_dare_keep_rate_and_chunks():
+    """The keep rate is 1 − p within 5 standard errors over a million entries, and a mask is a
+    function of (key, index): drawn in pieces it is the same as drawn whole."""
+    key, keep, count = rules.mask_key(0, 1, 2, "w"), 0.7, 1 << 20
+    whole = rules.keep_mask(key, 0, count, keep, torch.device("cpu"))
+    assert abs(whole.double().mean().item() - keep) < 5 * math.sqrt(keep * (1 - keep) / count)
+    pieces = torch.cat([rules.keep_mask(key, start, min(start + 300_007, count), keep, torch.device("cpu"))
+                        for start in range(0, count, 300_007)])
+    assert torch.equal(pieces, whole)
+    # Neighbouring entries and neighbouring keys are not correlated.
+    assert abs(torch.corrcoef(torch.stack([whole[:-1].double(), whole[1:].double()]))[0, 1]) < 0.01
+    other = rules.keep_mask(rules.mask_key(0, 2, 2, "w"), 0, count, keep, torch.device("cpu"))
+    assert abs(torch.corrcoef(torch.stack([whole.double(), other.double()]))[0, 1]) < 0.01
+
+
+@pytest.mark.cuda
+def test_dare_masks_are_the_same_bits_on_cpu_and_gpu():
+    key = rules.mask_key(3, 5, 7, "model.embed_tokens.weight")
+    cpu = rules.keep_mask(key, 0, 3 << 20, 0.9, torch.device("cpu"))
+    gpu = rules.keep_mask(key, 0, 3 << 20, 0.9, torch.device("cuda"))
+    assert torch.equal(cpu, gpu.cpu())
 
 
 # ------------------------------------------------------------------------------ edge cases
@@ -299,7 +321,7 @@ def test_one_worker(rule):
 
     expected = {
         "mean": delta,
-        "ties": merge._trim(delta, 0.9),
+        "ties": rules.trim(delta, 0.9),
         "tsv": delta,
         "iso_c": iso_correct(delta),
         "iso_cts": iso_correct(delta),  # the residual's top directions complete the common ones
@@ -365,8 +387,8 @@ def test_wrong_number_of_deltas():
         ("dare", lambda m, n, R: m * n),
         ("iso_c", lambda m, n, R: m * n),
         ("ties", lambda m, n, R: 3 * m * n),
-        ("tsv", lambda m, n, R: merge.tsv_components(min(m, n), R) * (m + n + 1)),
-        ("iso_cts", lambda m, n, R: m * n + merge.iso_cts_split(min(m, n), R, 0.8)[1] * (m + n + 1)),
+        ("tsv", lambda m, n, R: rules.tsv_components(min(m, n), R) * (m + n + 1)),
+        ("iso_cts", lambda m, n, R: m * n + rules.iso_cts_split(min(m, n), R, 0.8)[1] * (m + n + 1)),
     ],
 )
 @pytest.mark.parametrize("m, n, workers", [(24, 20, 2), (24, 30, 8), (4, 3, 5)])
@@ -490,14 +512,11 @@ def test_dare_masks_differ_between_workers():
     assert (dropped == delta).any()
 
 
-def test_dare_masks_are_drawn_on_the_cpu_generator_for_any_delta_dtype():
-    """The mask a worker gets is the CPU generator's draw, whatever the deltas' dtype, so a
-    CUDA run draws the masks a CPU run draws."""
+def test_dare_masks_do_not_depend_on_the_delta_dtype():
     deltas = make_deltas(2, (8, 4), dtype=torch.float64)
     m = merger("dare", 2, seed=3, drop_rate=0.3)
-    kept = [torch.bernoulli(torch.full((8, 4), 0.7), generator=merge.mask_generator(3, w, 1, "w")).double()
-            for w in range(2)]
-    expected = sum(d * k / 0.7 for d, k in zip(deltas, kept)) / 2
+    masks = [dare_mask(3, w, 1, "w", (8, 4), 0.3) for w in range(2)]
+    expected = sum(d * k / 0.7 for d, k in zip(deltas, masks)) / 2
     torch.testing.assert_close(m.merge("w", deltas, 1), expected, rtol=1e-12, atol=0)
     single = m.merge("w", [d.float() for d in deltas], 1)
     torch.testing.assert_close(single, expected.float(), rtol=1e-6, atol=1e-6)
@@ -527,6 +546,10 @@ def test_registry_matches_config_choices():
         (dict(ns_steps=0), "merge.ns_steps"),
         (dict(ns_dtype="float16"), "merge.ns_dtype"),
         (dict(exclude="lm_head.weight"), "merge.exclude"),
+        (dict(factors="svd"), "merge.factors"),
+        (dict(oversample=-1), "merge.oversample"),
+        (dict(power_iters=-2), "merge.power_iters"),
+        (dict(bucket_mb=0), "merge.bucket_mb"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
@@ -539,3 +562,99 @@ def test_default_config_is_valid_and_corrects_every_matrix():
     cfg.validate()
     assert cfg.exclude == [] and not cfg.excludes("model.embed_tokens.weight")
     assert math.isclose(cfg.density, 0.9) and cfg.rule == "mean" and cfg.ortho == "auto"
+
+
+@pytest.mark.parametrize("arg, needle", [
+    ("merge.bucket_mb=0", "merge.bucket_mb=0.0"),
+    ("merge.factors=lanczos", "merge.factors='lanczos'"),
+    ("merge.oversample=-4", "merge.oversample=-4"),
+    ("merge.power_iters=-1", "merge.power_iters=-1"),
+])
+def test_bad_engine_settings_exit_2_with_one_line_before_any_work(tmp_path, capsys, arg, needle):
+    from isoloco.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "method=tsv", arg, "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and needle in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------- the engine
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_buckets_and_fetching_do_not_change_the_merge(rule):
+    """Every parameter in a bucket of its own, or all in one; deltas given or fetched: the
+    same merged tensors (within rounding: one bucket batches Iso-C's same-shape matrices)."""
+    shapes = {"a.weight": (12, 8), "b.weight": (12, 8), "c.weight": (8, 20), "norm": (8,)}
+    deltas = {name: make_deltas(4, shape, seed=i) for i, (name, shape) in enumerate(shapes.items())}
+    one_each = merge.Merger(merge.MergeConfig(rule=rule, bucket_mb=1e-9), LocalCommunicator(4), seed=2)
+    together = merge.Merger(merge.MergeConfig(rule=rule), LocalCommunicator(4), seed=2)
+    expected = one_each.merge_all(deltas, round=1)
+    fetched = together.merge_all(deltas, round=1, fetch=lambda d: d.clone())
+    for name in shapes:
+        torch.testing.assert_close(fetched[name], expected[name], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(together.merge(name, deltas[name], round=1), expected[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_the_merge_holds_one_fetched_delta_at_a_time(rule):
+    """Whatever the number of workers, a fetched delta is dropped before the next is fetched,
+    so the merge's memory does not grow with R (the scale benchmark measures the bytes)."""
+    import weakref
+
+    alive: list[weakref.ref] = []
+
+    def fetch(stored: torch.Tensor) -> torch.Tensor:
+        assert sum(ref() is not None for ref in alive) == 0, "an earlier fetched delta is still held"
+        copy = stored.clone()
+        alive.append(weakref.ref(copy))
+        return copy
+
+    deltas = {"w": make_deltas(8, (48, 40)), "v": make_deltas(8, (16,))}  # Iso-CTS: s = 1 direction each
+    merge.Merger(merge.MergeConfig(rule=rule), LocalCommunicator(8), seed=0).merge_all(deltas, 0, fetch)
+    # Each phase fetches every delta once: TIES has two for both tensors, Iso-CTS two for "w".
+    assert len(alive) == 8 * {"ties": 4, "iso_cts": 3}.get(rule, 2)
+
+
+def test_one_collective_per_bucket_and_phase():
+    calls = []
+
+    class Counting(LocalCommunicator):
+        def _sum_across_processes(self, tensor):
+            calls.append("sum")
+            return tensor
+
+        def _gather_across_processes(self, tensors):
+            calls.append("gather")
+            return list(tensors)
+
+    shapes = {f"layer{i}.weight": (16, 12) for i in range(5)} | {"norm": (12,)}
+    deltas = {name: make_deltas(2, shape, seed=i) for i, (name, shape) in enumerate(shapes.items())}
+    for rule, expected in {"mean": ["sum"], "ties": ["sum", "sum"], "iso_cts": ["sum", "gather"],
+                           "tsv": ["sum", "gather"]}.items():
+        calls.clear()
+        merge.Merger(merge.MergeConfig(rule=rule), Counting(2), seed=0).merge_all(deltas)
+        assert calls == expected, rule
+
+
+def test_randomized_factors_match_the_exact_ones_where_auto_takes_them():
+    """A worker keeping at most 1/16 of the rank: the range finder's merge is the exact one
+    to well within 1e-3 on deltas with decaying spectra (a shared part plus each worker's
+    own directions); where a worker keeps more, auto is the exact path itself."""
+    g = torch.Generator().manual_seed(0)
+
+    def decaying(rows: int, cols: int, rate: float) -> torch.Tensor:
+        u = torch.linalg.qr(torch.randn(rows, 64, generator=g))[0]
+        v = torch.linalg.qr(torch.randn(cols, 64, generator=g))[0]
+        return (u * rate ** torch.arange(64.0)) @ v.T
+
+    shared = decaying(96, 80, 0.8)
+    deltas = [shared + 0.5 * decaying(96, 80, 0.7) for _ in range(16)]
+    for rule in (merge.tsv, merge.iso_cts):
+        exact = rule(deltas, factors="exact")
+        relative = (rule(deltas, factors="auto") - exact).norm() / exact.norm()
+        assert 0 < relative < 1e-4, (rule.__name__, relative)
+    two = deltas[:2]  # k = 40 of 80: auto takes the full SVD
+    assert torch.equal(merge.tsv(two, factors="auto"), merge.tsv(two, factors="exact"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,7 +24,7 @@ from isoloco.config import TrainConfig
 from isoloco.data import Batches
 from isoloco.distributed import Distributed
 from isoloco.errors import ConfigError, NonFiniteDeltaError
-from isoloco.inner import InnerOptimizer
+from isoloco.inner import InnerOptimizer, pinned_zeros_like
 from isoloco.outer import OuterStep
 
 logger = logging.getLogger(__name__)
@@ -86,8 +87,9 @@ class Algorithm(ABC):
         """State beyond θ and the workers' optimizers that rank 0 writes, by file name."""
         return {}
 
-    def load_checkpoint_files(self, load: Callable[[str], dict[str, torch.Tensor]]) -> None:
-        """Restore what `checkpoint_files` wrote; `load(file)` reads one file's tensors."""
+    def load_checkpoint_files(self, load: Callable[[str], Mapping[str, torch.Tensor]]) -> None:
+        """Restore what `checkpoint_files` wrote; `load(file)` opens one file, whose tensors are
+        read as they are asked for."""
 
 
 class DataParallel(Algorithm):
@@ -118,7 +120,11 @@ class DiLoCo(Algorithm):
         self.global_params = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
         self.names = [name for name, _ in named_params]
         self.outer = OuterStep(list(zip(self.names, self.global_params)), cfg.merge, cfg.outer, dist.comm, cfg.seed)
-        self.workers = [Worker(w, self.new_optimizer(), [torch.zeros_like(p, device=storage) for p in self.params])
+        # Offloaded from a GPU, the workers' state lives in pinned host memory and the next
+        # worker's moments are copied to the GPU while the current one trains (`begin_turn`).
+        self.overlaps = storage.type == "cpu" and device.type == "cuda"
+        self.workers = [Worker(w, self.new_optimizer(), [pinned_zeros_like(p, self) if self.overlaps else
+                                                         torch.zeros_like(p, device=storage) for p in self.params])
                         for w in dist.comm.local_worker_ids]
         self.dropped: list[int] = []  # the workers left out of the last round
 
@@ -128,6 +134,10 @@ class DiLoCo(Algorithm):
     def begin_turn(self, worker: Worker) -> None:
         self.use_global_weights()
         worker.optimizer.move_state(self.device)
+        # Never across a merge, which may give a dropped worker a fresh optimizer.
+        following = self.workers.index(worker) + 1
+        if self.overlaps and following < len(self.workers):
+            self.workers[following].optimizer.prefetch(self.device)
 
     @torch.no_grad()
     def end_turn(self, worker: Worker) -> None:
@@ -181,7 +191,7 @@ class DiLoCo(Algorithm):
     def checkpoint_files(self) -> dict[str, dict[str, torch.Tensor]]:
         return {OUTER_FILE: self.outer.state_dict()}
 
-    def load_checkpoint_files(self, load: Callable[[str], dict[str, torch.Tensor]]) -> None:
+    def load_checkpoint_files(self, load: Callable[[str], Mapping[str, torch.Tensor]]) -> None:
         self.outer.load_state_dict(load(OUTER_FILE))
 
 

@@ -3,9 +3,12 @@
 A checkpoint is a directory `OUT/checkpoints/step_XXXXXXXX/`. It is written under a
 temporary name and renamed into place only once every file is complete and synced, so a
 run killed at any moment leaves either the previous checkpoints alone or a finished new
-one. `state.json` records a SHA-256 per tensor file; loading checks them, so a damaged
-checkpoint is reported (and skipped for the previous one) instead of resuming from garbage.
-Nothing is ever unpickled.
+one. `state.json` records a SHA-256 per tensor file; loading checks them (reading each file
+in blocks), so a damaged checkpoint is reported (and skipped for the previous one) instead of
+resuming from garbage. Nothing is ever unpickled.
+
+A restore streams: a tensor file is opened lazily (`open_tensors`) and each tensor is read
+when its destination asks for it, so restoring costs the state it loads plus one tensor.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import logging
 import os
 import shutil
 import struct
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from isoloco.errors import CheckpointError
 from isoloco.fileutil import file_sha256
@@ -66,7 +71,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     safetensors' own `save_file` first turns every tensor into bytes in memory and refuses
     tensors that share storage (so callers clone them): two extra copies of the state at save
     time. Here a CPU tensor is written from its own memory and a GPU tensor is copied to the
-    CPU alone, so a checkpoint costs at most one tensor of extra memory. `load_file` reads it.
+    CPU alone, so a checkpoint costs at most one tensor of extra memory. safetensors reads it.
     """
     header: dict[str, Any] = {}
     offset = 0
@@ -185,8 +190,61 @@ def load_latest(root: Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
-def load_tensors(path: Path, stem: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    return load_file(str(path / f"{stem}.safetensors"), device=str(device))
+_ELEMENT_SIZES = {name: dtype.itemsize for dtype, name in _SAFETENSORS_DTYPES.items()}
+
+
+class TensorFile(Mapping[str, torch.Tensor]):
+    """An open tensor file as a mapping whose tensors are read only when asked for.
+
+    Each tensor is read with `pread` into host memory of its own, not viewed through a memory
+    map: the pages of a mapped file stay in the process's resident memory while it is open (a
+    second copy of everything read), and a tensor viewing them would keep a pruned
+    checkpoint's file on disk. Names and shapes come from the header alone. The caller puts
+    each tensor where it lives (`param.copy_(saved[name])` on any device).
+    """
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self._names = handle.offset_keys()  # in file order: a pass over them reads front to back
+        self._known = set(self._names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        return self._handle.get_tensor(name)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._known
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle.get_slice(name).get_shape())
+
+    def nbytes(self) -> int:
+        """Bytes of all the file's tensors (from the header)."""
+        total = 0
+        for name in self._names:
+            info = self._handle.get_slice(name)
+            total += _ELEMENT_SIZES[info.get_dtype()] * int(torch.Size(info.get_shape()).numel())
+        return total
+
+
+@contextmanager
+def open_tensors(path: Path, stem: str) -> Iterator[TensorFile]:
+    """Checkpoint `path`'s file `stem`, open for reading tensor by tensor."""
+    with safe_open(str(path / f"{stem}.safetensors"), framework="pt", backend="pread") as handle:
+        yield TensorFile(handle)
+
+
+def load_tensors(path: Path, stem: str) -> dict[str, torch.Tensor]:
+    """Every tensor of checkpoint `path`'s file `stem`."""
+    with open_tensors(path, stem) as saved:
+        return dict(saved)
 
 
 def flatten_optimizer_state(state_dict: dict, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -207,14 +265,26 @@ def flatten_optimizer_state(state_dict: dict, prefix: str) -> tuple[dict[str, to
     return tensors, scalars
 
 
-def unflatten_optimizer_state(template: dict, tensors: dict[str, torch.Tensor], scalars: dict[str, Any],
-                              prefix: str) -> dict:
-    """Rebuild a state_dict for `optimizer.load_state_dict` from `flatten_optimizer_state` output."""
-    state: dict[int, dict[str, Any]] = {}
+def saved_optimizer_state(optimizer: torch.optim.Optimizer, saved: Mapping[str, torch.Tensor],
+                          scalars: Mapping[str, Any], prefix: str) -> Iterator[tuple[torch.Tensor, str, Any]]:
+    """What `flatten_optimizer_state` saved under `prefix`, as (parameter, key, value) for
+    `optimizer`, whose parameters are numbered as its `state_dict` numbers them.
+
+    Each tensor is read from `saved` only when its turn comes, so a caller that places it
+    before asking for the next holds one tensor beyond the state.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     marker = f"{prefix}."
-    for source in (tensors, scalars):
-        for name, value in source.items():
-            if name.startswith(marker):
-                index, key = name[len(marker):].split(".", 1)
-                state.setdefault(int(index), {})[key] = value
-    return {"state": state, "param_groups": template["param_groups"]}
+    for source in (saved, scalars):
+        for name in source:
+            if not name.startswith(marker):
+                continue
+            index, key = name[len(marker):].split(".", 1)
+            if int(index) >= len(params):
+                raise CheckpointError(f"checkpoint entry {name} names parameter {index}, but this optimizer has "
+                                      f"{len(params)}: it was written for another model or inner optimizer")
+            param, value = params[int(index)], source[name]
+            if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape != param.shape:
+                raise CheckpointError(f"checkpoint entry {name} is shaped {tuple(value.shape)}, its parameter "
+                                      f"{tuple(param.shape)}: it was written for another model or inner optimizer")
+            yield param, key, value

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -129,32 +130,45 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     cfg, out = settle_run(args)
     if args.dry_run:
-        print(f"# isoloco train would {'continue' if args.resume else 'write'} {out}")
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        _print_dry_run(cfg, out, bool(args.resume))
         return 0
     # Under torchrun every process runs this; one process alone joins nothing.
     with process_group(cfg):
         return _train(args, cfg, out)
 
 
-def check_launch(command: list[str], world_size: int) -> None:
-    """Raise what `isoloco COMMAND` on `world_size` processes would refuse, checked by
-    `isoloco launch` before torchrun starts them."""
+def _print_dry_run(cfg: TrainConfig, out: Path, resume: bool, layout: ProcessLayout | None = None) -> None:
+    """What `--dry-run` prints: the run directory, the layout (under `isoloco launch`) and the
+    resolved config, as config.yaml will hold it."""
+    print(f"# isoloco train would {'continue' if resume else 'write'} {out}")
+    if layout is not None:
+        print(f"# layout: {ProcessLayout.in_words(layout.describe())}")
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+
+
+def preflight_launch(command: list[str], world_size: int) -> int | None:
+    """For `isoloco launch`, before torchrun starts `world_size` processes: raise what `isoloco
+    COMMAND` would refuse on them, and answer here what needs no processes (`--help`,
+    `--dry-run`), returning its exit status; None when the processes must run it."""
     args = build_parser().parse_args(command)
     if getattr(args, "func", None) is not cmd_train:
-        return
+        return None
     from isoloco.trainer import check_resume_layout, load_run_data
 
     train_args = _parse_train(args)
     if train_args.help:
-        return
+        return cmd_train(args)
     cfg, out = settle_run(train_args)
     layout = ProcessLayout.for_run(cfg, world_size, rank=0)
+    if train_args.dry_run:
+        _print_dry_run(cfg, out, bool(train_args.resume), layout)
+        return 0
     if train_args.resume:
         newest = latest_checkpoint(out / CHECKPOINT_DIR)
         if newest is not None:
             check_resume_layout(newest, json.loads((newest / "state.json").read_text()), layout.describe())
     load_run_data(cfg)
+    return None
 
 
 def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> int:
@@ -180,7 +194,7 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> int:
     try:
         summary = trainer.run(resume=bool(args.resume))
     except StopRequested as stopped:
-        logger.log(logs.NOTICE, "%s; continue with: isoloco train --resume %s", stopped, out)
+        logger.log(logs.NOTICE, "%s; continue with: %s", stopped, _resume_command(out, dist.world_size))
         return 128 + stopped.signum
     if dist.is_main:
         summary["unigram_baseline"] = trainer.data.unigram_loss
@@ -189,6 +203,17 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> int:
         print(f"final validation loss {summary['final_val_loss']:.4f} "
               f"(unigram baseline {summary['unigram_baseline']:.4f})")
     return 0
+
+
+def _resume_command(out: Path, world_size: int) -> str:
+    """The command that continues the run in `out` on the same number of processes."""
+    if world_size == 1:
+        return f"isoloco train --resume {out}"
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if per_node == world_size:
+        return f"isoloco launch --nproc {per_node} -- train --resume {out}"
+    return (f"isoloco launch --nproc {per_node} --nnodes {world_size // per_node} --node-rank I --master-addr HOST "
+            f"-- train --resume {out} on every machine I")
 
 
 def _recipe(cfg: TrainConfig) -> str:
@@ -222,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train, parser=train)
 
     add_data_commands(commands)
-    add_launch_command(commands, check_launch)
+    add_launch_command(commands, preflight_launch)
     add_sweep_commands(commands)
 
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model directory")

@@ -6,9 +6,11 @@ processes' workers only through the collectives below. Writing each rule once ag
 interface lets the same code serve the one-process simulator and a `torch.distributed` job,
 and lets each rule pick the cheapest collective that is still exact.
 
-Two byte counts are kept. `bytes_sent_per_worker` is what a rule hands to its collectives per
-worker, the same in every layout. The link counts are what this process hands to collectives over each kind of link (see `reset_link_bytes`): the
-figure a user with slow links between islands plans with, and zero when every worker lives
+Two kinds of count are kept. `bytes_sent_per_worker` is what a rule hands to its collectives
+per worker, the same in every layout. The link counts (`LINK_COUNTS`) are this process's
+traffic over each kind of link: the bytes it hands to collectives, the bytes the collectives'
+algorithms put on the link for it (`wire_bytes`), and its number of collective calls; the
+figures a user with slow links between islands plans with, and zero when every worker lives
 in one process.
 """
 
@@ -26,10 +28,8 @@ class Communicator(ABC):
     def __init__(self) -> None:
         #: Bytes one worker sends during the current accounting period (see `reset_bytes`).
         self.bytes_sent_per_worker = 0
-        #: Bytes this process hands to collectives that cross islands (the slow link) and that
-        #: stay inside its island, in the current period (see `reset_link_bytes`).
-        self.bytes_cross_island = 0
-        self.bytes_in_island = 0
+        #: This process's traffic in the current period, per link (see `reset_link_bytes`).
+        self._links = dict.fromkeys(LINK_COUNTS, 0.0)
 
     @property
     @abstractmethod
@@ -49,18 +49,11 @@ class Communicator(ABC):
     def _gather_across_processes(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """All-gather of equally shaped per-worker tensors, ordered by global worker id."""
 
-    def sum(self, local: list[torch.Tensor]) -> torch.Tensor:
-        """Sum over all R workers of one tensor each (one all-reduce of one tensor)."""
-        # Accumulate in place: stacking R full matrices would cost R times the memory.
-        total = local[0].clone()
-        for tensor in local[1:]:
-            total.add_(tensor)
-        self._count(total)
-        return self._sum_across_processes(total)
-
-    def mean(self, local: list[torch.Tensor]) -> torch.Tensor:
-        """Mean over all R workers of one tensor each (one all-reduce)."""
-        return self.sum(local).div_(self.num_workers)
+    def sum(self, local_total: torch.Tensor) -> torch.Tensor:
+        """Sum over all processes of this process's sum of its workers' tensors (one
+        all-reduce); may write into `local_total`."""
+        self._count(local_total)
+        return self._sum_across_processes(local_total)
 
     def gather(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every worker's tensor, ordered by global worker id (an all-gather).
@@ -88,17 +81,44 @@ class Communicator(ABC):
         sent, self.bytes_sent_per_worker = self.bytes_sent_per_worker, 0
         return sent
 
-    def reset_link_bytes(self) -> torch.Tensor:
-        """Return [cross-island, in-island] bytes this process handed to collectives since the
-        last reset, and start a new period.
+    def record(self, link: str, handed: int, wire: float, calls: int = 1) -> None:
+        """Count `calls` collective calls of this process over `link` ("cross_island": the
+        slow link between islands; "in_island": the fast one): `handed` bytes it gave them and
+        `wire` bytes they put on that link for it (see `wire_bytes`)."""
+        self._links[f"bytes_{link}"] += handed
+        self._links[f"wire_bytes_{link}"] += wire
+        self._links["collectives"] += calls
 
-        Each collective counts what this process puts in: an all-reduce its tensor, an
-        all-gather its own block, a broadcast its tensor at the source only. A float64 tensor,
-        so a job can average it over its processes with one all-reduce.
-        """
-        sent = torch.tensor([self.bytes_cross_island, self.bytes_in_island], dtype=torch.float64)
-        self.bytes_cross_island = self.bytes_in_island = 0
-        return sent
+    def reset_link_bytes(self) -> torch.Tensor:
+        """This process's counts since the last reset, in the order of `LINK_COUNTS`, and
+        start a new period. A float64 tensor, so a job can average it over its processes
+        with one all-reduce."""
+        counts = torch.tensor([self._links[key] for key in LINK_COUNTS], dtype=torch.float64)
+        self._links = dict.fromkeys(LINK_COUNTS, 0.0)
+        return counts
+
+
+#: What `Communicator.reset_link_bytes` returns, in order. `bytes_*`: what the process hands
+#: to collectives (an all-reduce its tensor, an all-gather its own block, a broadcast its
+#: tensor at the source only); `wire_bytes_*`: what the algorithm puts on the link for it
+#: (`wire_bytes`); `collectives`: its collective calls.
+LINK_COUNTS = ("bytes_cross_island", "bytes_in_island", "wire_bytes_cross_island", "wire_bytes_in_island",
+               "collectives")
+
+
+def wire_bytes(kind: str, size: int, processes: int) -> float:
+    """Bytes one process puts on the link in a collective over `processes` processes, by
+    the usual algorithms: a ring all-reduce of a `size`-byte tensor sends 2(P−1)/P of it
+    (reduce-scatter, then all-gather); an all-gather of `size`-byte blocks sends its block to
+    each of the P − 1 others ((P−1)/P of the gathered result); a broadcast of `size` bytes
+    sends it to each of the P − 1 receivers, counted at the source."""
+    if processes <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (processes - 1) / processes * size
+    if kind in ("all_gather", "broadcast"):
+        return (processes - 1) * size
+    raise ValueError(f"unknown collective {kind!r}: expected all_reduce, all_gather or broadcast")
 
 
 def nbytes(tensor: torch.Tensor) -> int:

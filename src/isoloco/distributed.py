@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from isoloco.comm import Communicator, LocalCommunicator, nbytes
+from isoloco.comm import LINK_COUNTS, Communicator, LocalCommunicator, nbytes, wire_bytes
 from isoloco.configbase import check_at_least, check_choices, check_positive, option
 from isoloco.errors import CollectiveError, ConfigError, PeerLostError, first_line
 from isoloco.watchdog import PeerWatchdog
@@ -52,13 +52,19 @@ class DistConfig:
            "inner step, and talk to other workers only at synchronisations (also settable as gpus_per_worker=G)")
     backend: str = option("auto", "torch.distributed backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo", BACKENDS)
     timeout_s: float = option(
-        600.0, "seconds a process waits for another before the run stops with an error naming the dead or hung "
-               "rank; must exceed the longest legitimate wait (a checkpoint write, an uneven round)")
+        600.0, "seconds a collective waits for the other processes before it fails (the run then stops naming "
+               "the lost rank); must exceed the longest legitimate wait inside one (a checkpoint write, an "
+               "uneven round)")
+    peer_silence_s: float = option(
+        45.0, "seconds without a heartbeat from another process before it counts as dead or hung and the run "
+              "stops naming it; heartbeats come from a thread of their own, so long inner steps and checkpoint "
+              "writes do not count as silence")
 
     def validate(self) -> None:
         check_at_least("dist.gpus_per_worker", self.gpus_per_worker, 1)
         check_choices("dist", self)
         check_positive("dist.timeout_s", self.timeout_s)
+        check_positive("dist.peer_silence_s", self.peer_silence_s)
 
 
 # ------------------------------------------------------------------------------- layout
@@ -140,6 +146,19 @@ class ProcessLayout:
         """What a checkpoint records: resuming needs the same."""
         return {"workers": self.workers, "processes": self.world_size, "processes_per_worker": self.group_size}
 
+    @staticmethod
+    def in_words(described: dict[str, int] | None) -> str:
+        """A layout as `describe` records it, said for a message: "4 workers on 2 processes, 1
+        process per worker" (None: a checkpoint that recorded none)."""
+        if not described:
+            return "an unrecorded layout"
+
+        def count(n: int, noun: str) -> str:
+            return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
+
+        return (f"{count(described['workers'], 'worker')} on {count(described['processes'], 'process')}, "
+                f"{count(described['processes_per_worker'], 'process')} per worker")
+
 
 # ------------------------------------------------------------------------- communicator
 
@@ -188,8 +207,8 @@ class TorchCommunicator(Communicator):
     workers' factors), not G copies.
 
     `shard_map` spreads pure per-tensor work (Iso-C's orthogonalisations) over the island's
-    processes and broadcasts each result from its owner inside the island; with no island
-    group (G = 1) over all processes, its broadcasts then crossing islands.
+    processes and broadcasts each result from its owner inside the island; across islands
+    each island computes its own, so no result crosses the slow link.
     """
 
     def __init__(self, layout: ProcessLayout, peers: dist.ProcessGroup | None,
@@ -222,7 +241,7 @@ class TorchCommunicator(Communicator):
             dist.all_reduce(part, group=self._peers)
             return part
 
-        return self._across_islands(tensor, all_reduce, "merge all-reduce").view_as(tensor)
+        return self._across_islands(tensor, all_reduce, "all_reduce", "merge all-reduce").view_as(tensor)
 
     def _gather_across_processes(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if self._peers is None:
@@ -235,50 +254,51 @@ class TorchCommunicator(Communicator):
             return torch.stack(blocks)
 
         # Island i's block holds its workers' tensors, so the rows come in global worker order.
-        gathered = self._across_islands(local, all_gather, "merge all-gather")
+        gathered = self._across_islands(local, all_gather, "all_gather", "merge all-gather")
         return list(gathered.reshape(-1, *local.shape[1:]).unbind(0))
 
     def _across_islands(self, tensor: torch.Tensor, exchange: Callable[[torch.Tensor], torch.Tensor],
-                        what: str) -> torch.Tensor:
-        """`exchange` (a collective over the peer group) of this process's slice of `tensor`
-        flattened, then the island's slices joined: a tensor of shape (..., tensor.numel()),
-        the leading dimensions being those `exchange` adds. May write into `tensor`."""
+                        kind: str, what: str) -> torch.Tensor:
+        """`exchange` (a collective of `kind` over the peer group) of this process's slice of
+        `tensor` flattened, then the island's slices joined: a tensor of shape
+        (..., tensor.numel()), the leading dimensions being those `exchange` adds. May write
+        into `tensor`."""
         flat = tensor.reshape(-1)
         width = -(-flat.numel() // self._slices)
         if self._slices > 1:
             # Equal slices, so the island's all-gather can join them; the padding is zeros.
             flat = torch.nn.functional.pad(flat, (0, width * self._slices - flat.numel()))
         part = flat[self._slot * width:(self._slot + 1) * width]
-        self.bytes_cross_island += nbytes(part)
+        self.record("cross_island", nbytes(part), wire_bytes(kind, nbytes(part), self._layout.islands))
         with collective(what):
             exchanged = exchange(part)
             if self._slices == 1:
                 return exchanged
-            self.bytes_in_island += nbytes(exchanged)
+            self.record("in_island", nbytes(exchanged), wire_bytes("all_gather", nbytes(exchanged), self._slices))
             blocks = [torch.empty_like(exchanged) for _ in range(self._slices)]
             dist.all_gather(blocks, exchanged, group=self._island)
         return torch.cat(blocks, dim=-1)[..., :tensor.numel()]
 
     def shard_map(self, fn: Callable[[torch.Tensor], torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        # Inside the island the results travel over the fast link; with G = 1 there is none, and
-        # sharing the work among all processes is still worth its cross-island broadcasts.
-        ranks = self._layout.island_ranks(self._layout.island) if self._island is not None \
-            else list(range(self._layout.world_size))
-        crosses = self._island is None and self._layout.islands > 1
+        # Shared out inside the island only, over its fast link: across islands every island
+        # computes its own, so no result crosses the slow link. An island of one process has
+        # nobody to share with.
+        if self._island is None:
+            return [fn(tensor) for tensor in tensors]
+        ranks = self._layout.island_ranks(self._layout.island)
         owners = [ranks[owner] for owner in assign_owners([_orthogonalisation_cost(t) for t in tensors], len(ranks))]
-        results = []
+        results, handed = [], 0
         for owner, tensor in zip(owners, tensors):
             if owner == self._layout.rank:
                 result = fn(tensor)
                 assert result.shape == tensor.shape and result.dtype == tensor.dtype, \
                     "shard_map needs a shape-keeping fn"
                 results.append(result.contiguous())
-                if crosses:
-                    self.bytes_cross_island += nbytes(result)
-                else:
-                    self.bytes_in_island += nbytes(result)
+                handed += nbytes(result)
             else:
                 results.append(torch.empty_like(tensor))
+        # Every process joins every broadcast; the owner sends its results to the others.
+        self.record("in_island", handed, wire_bytes("broadcast", handed, len(ranks)), calls=len(results))
         with collective("broadcast of orthogonalised matrices"):
             pending = [dist.broadcast(result, src=owner, group=self._island, async_op=True)
                        for owner, result in zip(owners, results)]
@@ -350,9 +370,10 @@ def process_group(cfg: TrainConfig) -> Iterator[None]:
 
     A plain one-process run joins nothing. Otherwise the default process group uses the
     configured backend and `dist.timeout_s` (a collective waiting longer fails), and a
-    `PeerWatchdog` stops this process when another dies or hangs. When the block raises,
-    this process posts why (so its peers stop at once); when a collective failed, the
-    block's error becomes a `PeerLostError` naming the lost rank when one is found.
+    `PeerWatchdog` stops this process when another dies or stays silent for
+    `dist.peer_silence_s`. When the block raises, this process posts why (so its peers stop at
+    once); when a collective failed, the block's error becomes a `PeerLostError` naming the
+    lost rank when one is found.
     """
     world_size = launched_world_size()
     if world_size <= 1:
@@ -371,7 +392,7 @@ def process_group(cfg: TrainConfig) -> Iterator[None]:
     with collective(f"joining the {world_size} processes at {os.environ.get('MASTER_ADDR')}:"
                     f"{os.environ.get('MASTER_PORT')}"):
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s), device_id=device)
-        watchdog = PeerWatchdog.connect(dist.get_rank(), world_size, cfg.dist.timeout_s)
+        watchdog = PeerWatchdog.connect(dist.get_rank(), world_size, cfg.dist.peer_silence_s)
         watchdog.register()
         dist.barrier()
     watchdog.start()
@@ -494,11 +515,10 @@ class Distributed:
         return self.sum(tensor) / self.world_size
 
     def link_bytes(self, comm: Communicator) -> dict[str, float]:
-        """The bytes per process `comm` sent over each link since its last `reset_link_bytes`
-        (which this calls), averaged over all processes: `shard_map`'s broadcasts leave each
-        process a different share. A collective: every process must call it."""
-        cross_island, in_island = self.mean(comm.reset_link_bytes()).tolist()
-        return {"bytes_cross_island": cross_island, "bytes_in_island": in_island}
+        """`comm`'s link counts (`LINK_COUNTS`) since its last `reset_link_bytes` (which this
+        calls), averaged over all processes: `shard_map`'s broadcasts leave each process a
+        different share of the bytes. A collective: every process must call it."""
+        return dict(zip(LINK_COUNTS, self.mean(comm.reset_link_bytes()).tolist()))
 
     def max(self, value: float) -> float:
         """The largest `value` of all processes: decisions every process must take together."""

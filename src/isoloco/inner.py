@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from isoloco.checkpoint import saved_optimizer_state
 from isoloco.configbase import check_choices, check_positive, check_range, option
 
 INNER_OPTIMIZERS = ("adamw", "muon", "sgd")
@@ -51,6 +56,40 @@ def uses_muon(name: str, param: torch.Tensor) -> bool:
     return param.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name
 
 
+def pinned_zeros_like(like: torch.Tensor, owner: object) -> torch.Tensor:
+    """A zero CPU tensor shaped like `like`, page-locked while `owner` lives: host memory for
+    state offloaded from a GPU, which copies to and from the GPU at full bus speed and, from
+    the GPU's side, asynchronously.
+
+    Pinned by registering ordinary memory (`cudaHostRegister`), as torch's own checkpoint
+    stager does, rather than through `pin_memory=True`: torch's pinned allocator rounds every
+    request up to a power of two and keeps it cached, up to twice the state in locked memory.
+    The unregistering finalizer holds the buffer, so its memory is unpinned before it is freed.
+    """
+    buffer = torch.zeros(like.shape, dtype=like.dtype)
+    if buffer.nbytes:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0))
+        # Not at exit: the process's memory goes back whole, and CUDA may be torn down already.
+        weakref.finalize(owner, _unpin, buffer).atexit = False
+    return buffer
+
+
+def _unpin(buffer: torch.Tensor) -> None:
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+
+
+@functools.cache
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream that `InnerOptimizer.prefetch` copies on, one per GPU."""
+    return torch.cuda.Stream(device)
+
+
+def _movable(value: Any, device: torch.device) -> bool:
+    """Whether `move_state` moves this state value: tensors with data (AdamW's 0-d `step` stays
+    on the CPU, where torch keeps it) that are not on `device` already."""
+    return isinstance(value, torch.Tensor) and value.ndim > 0 and value.device != device
+
+
 class InnerOptimizer:
     """One worker's optimizer(s), a schedule, and gradient clipping, behind one `step`.
 
@@ -80,6 +119,8 @@ class InnerOptimizer:
             for group in opt.param_groups:
                 group["peak_lr"] = cfg.lr
         self._host: dict[tuple[int, str], torch.Tensor] = {}  # offloaded state, one buffer per tensor
+        self._prefetched: dict[tuple[int, str], torch.Tensor] = {}  # state copied ahead to the GPU
+        self._prefetch_done: torch.cuda.Event | None = None
 
     def lr_at(self, step: int) -> float:
         return self.cfg.lr * lr_factor(step, self.total_steps, self.cfg.warmup_fraction, self.cfg.min_lr_ratio)
@@ -104,23 +145,69 @@ class InnerOptimizer:
         for opt, state in zip(self.optimizers, states):
             opt.load_state_dict(state)
 
+    def load_state(self, saved: Mapping[str, torch.Tensor], scalars: Mapping[str, Any], prefix: str,
+                   device: torch.device) -> None:
+        """Restore the state a checkpoint keeps under `prefix` (see `flatten_optimizer_state`),
+        each tensor read from `saved` and put on `device`, this worker's storage (its pinned
+        host buffer when offloaded from a GPU), before the next is read: a restore holds one
+        tensor beyond the state.
+
+        This is what torch's `load_state_dict` does for a fresh optimizer, except where the
+        moments go: torch would put them on their parameters' device, a round trip through the
+        GPU for an offloaded worker. A 0-d `step` stays on the CPU, as torch keeps it.
+        """
+        for j, opt in enumerate(self.optimizers):
+            opt.state.clear()
+            for param, key, value in saved_optimizer_state(opt, saved, scalars, f"{prefix}.opt{j}"):
+                if isinstance(value, torch.Tensor) and value.ndim > 0:
+                    if device.type == "cpu" and param.is_cuda:  # offloaded from a GPU: its pinned buffer
+                        value = self._host_buffer(param, key, value).copy_(value)
+                    else:
+                        value = value.to(device=device, dtype=param.dtype)
+                opt.state[param][key] = value
+
     def move_state(self, device: torch.device) -> None:
         """Move optimizer state tensors (moments, momentum) to `device` (idle-worker offload).
 
-        To the CPU they go into buffers allocated once per tensor at its exact size and copied
-        synchronously: a non-blocking copy would land in page-locked memory from torch's host
-        cache (sizes rounded up to a power of two, never returned, not swappable) and could
-        still be in flight when a checkpoint reads it. Back to the GPU the copy may overlap.
+        To the CPU they go into buffers allocated once per tensor at its exact size, pinned
+        when they come from a GPU (`pinned_zeros_like`), and copied synchronously: a
+        checkpoint or the next worker's prefetch may read them next. Back to the GPU the copy
+        may overlap, or was already made by `prefetch`; then the compute stream waits for it.
         """
+        if self._prefetch_done is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).wait_event(self._prefetch_done)
+            self._prefetch_done = None
         for opt in self.optimizers:
             for param, state in opt.state.items():
                 for key, value in state.items():
-                    if not isinstance(value, torch.Tensor) or value.device == device or value.ndim == 0:
+                    if not _movable(value, device):
                         continue
                     if device.type == "cpu":
-                        host = self._host.get((id(param), key))
-                        if host is None or host.shape != value.shape or host.dtype != value.dtype:
-                            host = self._host[id(param), key] = torch.empty_like(value, device="cpu")
-                        state[key] = host.copy_(value)
+                        state[key] = self._host_buffer(param, key, value).copy_(value)
+                    elif (id(param), key) in self._prefetched:
+                        state[key] = self._prefetched.pop((id(param), key))
+                        # Allocated on the side stream: keep its memory until the compute stream is done.
+                        state[key].record_stream(torch.cuda.current_stream(device))
                     else:
                         state[key] = value.to(device, non_blocking=True)
+
+    def prefetch(self, device: torch.device) -> None:
+        """Start copying the offloaded state to `device`, a GPU, on a side stream, so the copy
+        runs while the compute stream trains another worker; the next `move_state(device)`
+        uses the copies. This worker's state occupies device memory from now on."""
+        stream = _copy_stream(device)
+        with torch.cuda.stream(stream):
+            for opt in self.optimizers:
+                for param, state in opt.state.items():
+                    for key, value in state.items():
+                        if _movable(value, device):
+                            self._prefetched[id(param), key] = value.to(device, non_blocking=True)
+        self._prefetch_done = stream.record_event()
+
+    def _host_buffer(self, param: torch.Tensor, key: str, like: torch.Tensor) -> torch.Tensor:
+        """The host buffer of one state tensor of `param`, pinned when it trains on a GPU."""
+        host = self._host.get((id(param), key))
+        if host is None or host.shape != like.shape or host.dtype != like.dtype:
+            host = pinned_zeros_like(like, self) if param.is_cuda else torch.empty_like(like, device="cpu")
+            self._host[id(param), key] = host
+        return host

@@ -7,10 +7,11 @@ through it. What a command produces (tables, listings, the config it would use, 
 results are) is not a message: it goes to stdout with `print`.
 
 Levels: INFO says what is going on (start-up lines, a resume), and `--quiet` silences it;
-NOTICE says how a command ended early (a stop by signal, an interrupt), printed as is even
-with `--quiet`; WARNING and ERROR as usual. In a torchrun job rank 0 says everything; the
-other processes only their own warnings and errors (e.g. an SVD retried on the share of
-the orthogonalisations one process computes), marked `[rank N]`.
+NOTICE says how a command ended early (a stop by signal, an interrupt, a resumed run that had
+already finished), printed as is even with `--quiet`; WARNING and ERROR as usual. In a
+torchrun job rank 0 says everything; the other processes only their own warnings and errors
+(e.g. an SVD retried on the share of the orthogonalisations one process computes), marked
+`[rank N]`. A progress bar is drawn only on a terminal (`interactive`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class _StderrAboveBars(logging.Handler):
             sys.stderr.flush()
         except Exception:  # logging's convention: a failing handler never raises into the caller
             self.handleError(record)
+
+
+def interactive() -> bool:
+    """Whether stdout and stderr are both terminals: only then is a progress bar redrawn in
+    place. Otherwise (a log file, a pipe, `make demo > log`) a bar's carriage-return updates would
+    pile up in the file, and progress is said in occasional plain lines instead."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
 
 
 def job_rank() -> int:

@@ -354,12 +354,32 @@ def scale_inner(matrix: torch.Tensor, polar: Polar) -> torch.Tensor:
 GRAM_MIN_ASPECT = 1.5
 
 
+def _aspect(matrix: torch.Tensor) -> float:
+    short, long = sorted(matrix.shape[-2:])
+    return long / max(short, 1)
+
+
 def polar_auto(matrix: torch.Tensor) -> Polar:
     """The fastest exact polar factor for this shape: `gram` for clearly non-square
     matrices (MLP, embedding and LM-head weights), `svd` for square-ish ones."""
     _check_matrix(matrix)
-    short, long = sorted(matrix.shape[-2:])
-    return polar_gram(matrix) if long >= GRAM_MIN_ASPECT * short else polar_svd(matrix)
+    return polar_gram(matrix) if _aspect(matrix) >= GRAM_MIN_ASPECT else polar_svd(matrix)
+
+
+def gram_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD U, S, Vᴴ from the Gram eigendecomposition (float64), null directions zeroed
+    in all three: for a tall A = U S Vᵀ, V and S² are the eigenpairs of AᵀA and U = A V / S.
+    Costs what `polar_gram` costs; U errs by ~eps·σ_max/σ_i in direction i (see there)."""
+    _check_matrix(matrix)
+    tall, transposed = _tall_view(matrix)
+    sigma, q = _gram_eigen(tall, vectors=True)
+    inverse_sigma = torch.where(sigma > 0, sigma.reciprocal(), torch.zeros_like(sigma))
+    work_dtype = torch.promote_types(matrix.dtype, torch.float32)
+    u = tall.to(work_dtype) @ (q * inverse_sigma.unsqueeze(-2)).to(work_dtype)
+    v = q.masked_fill((sigma == 0).unsqueeze(-2), 0).to(work_dtype)
+    if transposed:  # M = (U S Vᵀ)ᵀ = V S Uᵀ
+        u, v = v, u
+    return u.to(matrix.dtype), sigma.to(matrix.dtype), v.mT.to(matrix.dtype)
 
 
 POLAR_METHODS: dict[str, Callable[[torch.Tensor, int, torch.dtype], Polar]] = {
@@ -399,3 +419,98 @@ def iso_correct(matrix: torch.Tensor, settings: IsoSettings = IsoSettings()) -> 
     polar = orthogonalize(matrix, settings.ortho, settings.ns_steps, NS_DTYPES[settings.ns_dtype])
     factor = SCALE_METHODS[settings.scale](matrix, polar).to(matrix.dtype)
     return polar.factor * factor[..., None, None]
+
+
+#: How `top_factors` finds a matrix's top-k singular triplets: a full SVD (``exact``), a
+#: randomized range finder (Halko, Martinsson, Tropp 2011) whose cost is matmuls with
+#: k + oversample columns (``randomized``), or ``auto``: randomized where k is at most
+#: 1/`RANDOMIZED_MAX_FRACTION` of the rank, where it is both much cheaper and accurate on
+#: pseudo-gradients (docs/fidelity.md, "Truncated factors and DARE's masks"), exact elsewhere.
+FACTOR_METHODS = ("auto", "exact", "randomized")
+RANDOMIZED_MAX_FRACTION = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class FactorSettings:
+    """How TSV and Iso-CTS find each worker's top singular directions."""
+
+    method: str = "auto"  # a FACTOR_METHODS name
+    oversample: int = 16  # extra columns of the randomized range finder beyond k
+    power_iters: int = 3  # subspace iterations of the randomized range finder
+
+    def __post_init__(self) -> None:
+        if self.method not in FACTOR_METHODS:
+            raise ValueError(f"method={self.method!r} is not allowed: choose one of {', '.join(FACTOR_METHODS)}")
+        if self.oversample < 0 or self.power_iters < 0:
+            raise ValueError(f"oversample={self.oversample} and power_iters={self.power_iters} must be >= 0")
+
+    def full_svd(self, matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A thin SVD of all of `matrix` (Iso-CTS's common subspace): LAPACK's for ``exact``,
+        else the Gram route on clearly non-square matrices, as `polar_auto` chooses."""
+        if self.method == "exact":
+            return thin_svd(matrix)
+        return gram_svd(matrix) if _aspect(matrix) >= GRAM_MIN_ASPECT else thin_svd(matrix)
+
+    def polar(self, matrix: torch.Tensor) -> torch.Tensor:
+        """The polar factor of stacked singular vectors: LAPACK's SVD for ``exact``, else the
+        faster exact route for the shape (`polar_auto`)."""
+        return (polar_svd(matrix) if self.method == "exact" else polar_auto(matrix)).factor
+
+    def randomized(self, k: int, rank: int) -> bool:
+        """Whether the top `k` of a rank-`rank` matrix come from the range finder."""
+        wanted = self.method == "randomized" or (self.method == "auto" and RANDOMIZED_MAX_FRACTION * k <= rank)
+        # With as many columns as the rank, a range finder costs what the SVD costs.
+        return wanted and k + self.oversample < rank
+
+
+def _orthonormal_columns(matrix: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.qr(matrix).Q
+
+
+def _randomized_svd(matrix: torch.Tensor, columns: int, power_iters: int,
+                    left_out: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Thin SVD of the best rank-`columns` approximation of M = (I − L Lᵀ)·matrix found by
+    subspace iteration (L: orthonormal columns projected out, or none): an orthonormal Q
+    spanning (M Mᵀ)^q M Ω, then the SVD of the thin Qᵀ M.
+
+    M is applied, never formed: projecting L out costs products with `columns` vectors,
+    not with the whole matrix. The test matrix Ω comes from a fixed CPU generator, so every
+    device, process and worker uses the same one and the result is deterministic. Each
+    half-step re-orthonormalises, which keeps small directions from being lost to rounding.
+    """
+    a = matrix.to(torch.promote_types(matrix.dtype, torch.float32))
+
+    def project(x: torch.Tensor) -> torch.Tensor:
+        return x if left_out is None else x - left_out @ (left_out.mT @ x)
+
+    probe = torch.randn(a.shape[-1], columns, generator=torch.Generator().manual_seed(0), dtype=a.dtype)
+    # QR completes a rank-deficient block with arbitrary columns, which need not lie in the
+    # range of I − L Lᵀ: the basis is projected again before every product with aᵀ.
+    basis = _orthonormal_columns(project(a @ probe.to(a.device)))
+    for _ in range(power_iters):
+        basis = _orthonormal_columns(project(a @ _orthonormal_columns(a.mT @ project(basis))))
+    u_small, s, vh = _svd((a.mT @ project(basis)).mT)
+    return (basis @ u_small).to(matrix.dtype), s.to(matrix.dtype), vh.to(matrix.dtype)
+
+
+def top_factors(matrix: torch.Tensor, k: int, settings: FactorSettings = FactorSettings(),
+                largest: torch.Tensor | None = None, left_out: torch.Tensor | None = None,
+                divisor: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top-k singular triplets U_k (m×k), S_k (k), V_k (n×k) of M = (I − L Lᵀ)·matrix / divisor
+    (L = `left_out`, orthonormal columns, or none), numerically null directions zeroed in all
+    three (relative to `largest`, see `thin_svd`).
+
+    See `FactorSettings.randomized` for when the range finder is used; the exact path forms M.
+    """
+    _check_matrix(matrix)
+    if settings.randomized(k, _rank(matrix)):
+        u, s, vh = _randomized_svd(matrix, k + settings.oversample, settings.power_iters, left_out)
+        s = s / divisor
+    else:
+        residual = matrix if left_out is None else matrix - left_out @ (left_out.mT @ matrix)
+        u, s, vh = _svd(residual / divisor if divisor != 1 else residual)
+    u, s, vh = u[..., :k], s[..., :k], vh[..., :k, :]
+    if largest is None:
+        largest = s[..., :1]
+    null = _null_mask(s, null_rtol(matrix), largest)
+    return u.masked_fill(null.unsqueeze(-2), 0), s.masked_fill(null, 0), vh.masked_fill(null.unsqueeze(-1), 0).mT

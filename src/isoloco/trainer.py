@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from isoloco import checkpoint as ckpt
-from isoloco import sharded_checkpoint
+from isoloco import logs, sharded_checkpoint
 from isoloco.algorithms import Worker, build_algorithm
 from isoloco.config import TrainConfig, to_dict
 from isoloco.data import Batches, TokenData, check_run_data, load_token_data, validation_batches
-from isoloco.distributed import Distributed
+from isoloco.distributed import Distributed, ProcessLayout
 from isoloco.errors import CheckpointError, ConfigError
 from isoloco.metrics import MetricsLog, NullMetricsLog
 from isoloco.model import build_model, count_parameters
@@ -74,11 +74,12 @@ def load_run_data(cfg: TrainConfig) -> tuple[TokenData, str | None]:
 
 def check_resume_layout(checkpoint: Path, state: dict[str, Any], layout: dict[str, int]) -> None:
     """Refuse to resume a checkpoint written by another layout of workers and processes."""
-    if state.get("layout") != layout:
+    saved = state.get("layout")
+    if saved != layout:
         raise CheckpointError(
-            f"checkpoint {checkpoint} was written with layout {state.get('layout')}, this run has {layout}; "
-            "resume with the same number of workers and processes and the same gpus_per_worker "
-            "(isoloco launch --nproc N -- train --resume DIR starts N processes)")
+            f"checkpoint {checkpoint} was written by {ProcessLayout.in_words(saved)}, and this run has "
+            f"{ProcessLayout.in_words(layout)}; resume with the same number of workers and processes and the "
+            "same gpus_per_worker (isoloco launch --nproc N -- train --resume DIR starts N processes)")
 
 
 class Trainer:
@@ -226,28 +227,24 @@ class Trainer:
             return None
         path, state = found
         check_resume_layout(path, state, self.dist.layout.describe())
-        global_tensors = ckpt.load_tensors(path, "global", self.device)
-        for (name, _), param in zip(self.named_params, self.global_params):
-            saved = global_tensors.get(name)
-            if saved is None or saved.shape != param.shape:
-                found = "missing" if saved is None else f"shaped {tuple(saved.shape)}"
-                raise CheckpointError(
-                    f"checkpoint {path}: {name} is {found}, this model's is {tuple(param.shape)}; it was written "
-                    "for another model or vocabulary (tokenizer) than this run's")
-        with torch.no_grad():
+        # Every file is read a tensor at a time, straight into where the tensor lives.
+        with ckpt.open_tensors(path, "global") as saved:
             for (name, _), param in zip(self.named_params, self.global_params):
-                param.copy_(global_tensors[name])
-        # On the CPU: torch's load_state_dict moves the moments to their parameters' device and
-        # keeps AdamW's scalar `step` where it is, on the CPU as torch expects (on the GPU every
-        # foreach step would wait for it).
-        worker_tensors = ckpt.load_tensors(path, self._workers_file(), torch.device("cpu"))
-        for worker in self.workers:
-            templates = worker.optimizer.state_dicts()
-            worker.optimizer.load_state_dicts([
-                ckpt.unflatten_optimizer_state(t, worker_tensors, state["scalars"], f"w{worker.index}.opt{j}")
-                for j, t in enumerate(templates)])
-            worker.optimizer.move_state(self.storage)
-        self.algorithm.load_checkpoint_files(lambda file: ckpt.load_tensors(path, file, self.device))
+                shape = saved.shape(name) if name in saved else None
+                if shape != tuple(param.shape):
+                    found = "missing" if shape is None else f"shaped {shape}"
+                    raise CheckpointError(
+                        f"checkpoint {path}: {name} is {found}, this model's is {tuple(param.shape)}; it was written "
+                        "for another model or vocabulary (tokenizer) than this run's")
+            with torch.no_grad():
+                for (name, _), param in zip(self.named_params, self.global_params):
+                    param.copy_(saved[name])
+        with ckpt.open_tensors(path, self._workers_file()) as saved:
+            for worker in self.workers:
+                worker.optimizer.load_state(saved, state["scalars"], f"w{worker.index}", self.storage)
+        with ExitStack() as files:
+            self.algorithm.load_checkpoint_files(
+                lambda file: files.enter_context(ckpt.open_tensors(path, file)))
         self.step = state["step"]
         self.elapsed = state["elapsed_s"]
         self.cpu_seconds = state.get("cpu_s", 0.0)  # absent from checkpoints of older versions
@@ -264,14 +261,22 @@ class Trainer:
     def run(self, resume: bool = False) -> dict[str, Any]:
         cfg = self.cfg
         offset = self.restore() if resume else None
+        if self.step >= cfg.train_steps:
+            # A resumed run that had ended: its results stand, and nothing is trained or logged.
+            logger.log(logs.NOTICE, "%s is already finished (its last checkpoint is at step %d of %d): nothing "
+                       "to train; start a new run with --out to train longer", self.out_dir, self.step,
+                       cfg.train_steps)
+            return self.summary()
         log = MetricsLog(
             self.out_dir / METRICS_FILE, truncate_to=offset or 0,
             tensorboard_dir=self.out_dir / TENSORBOARD_DIR if cfg.log.tensorboard else None,
             wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
             run_name=self.out_dir.name, config=to_dict(cfg)) if self.dist.is_main else NullMetricsLog()
-        # Workers take their turns one after another: the bar counts each worker's steps.
+        # Workers take their turns one after another: the bar counts each worker's steps. Where
+        # no terminal redraws it, each round is one plain line instead (`_log_round`).
         workers = len(self.workers)
-        self.bar = tqdm(total=cfg.train_steps * workers, initial=self.step * workers, disable=not self.progress,
+        self.bar = tqdm(total=cfg.train_steps * workers, initial=self.step * workers,
+                        disable=not (self.progress and logs.interactive()),
                         unit="step" if workers == 1 else "worker-step", dynamic_ncols=True)
         stop = GracefulStop()
         try:
@@ -318,8 +323,13 @@ class Trainer:
             record = {"step": step + 1, "round": start // self.cfg.inner_steps, "tokens": (step + 1) * tokens_per_step,
                       "train_loss": losses[i], "lr": self.workers[0].optimizer.lr_at(step)}
             log.write({**record, **extra} if step + 1 == end else record)
-        self.bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{extra['tokens_per_s']:,.0f}",
-                             **({"val": f"{self.last_val_loss:.3f}"} if "val_loss" in extra else {}))
+        shown = {"loss": f"{losses[-1]:.3f}", "tok_s": f"{extra['tokens_per_s']:,.0f}"}
+        if "val_loss" in extra:
+            shown["val"] = f"{self.last_val_loss:.3f}"
+        if self.progress and self.bar.disable:  # no terminal to draw the bar on
+            logger.info("step %d/%d: %s", end, self.cfg.train_steps,
+                        ", ".join(f"{key} {value}" for key, value in shown.items()))
+        self.bar.set_postfix(**shown)
 
     def summary(self) -> dict[str, Any]:
         cfg = self.cfg

@@ -7,8 +7,12 @@ a daemon thread that, every `interval`, bumps its own heartbeat counter in the r
 store and reads every peer's counter and failure note in one round trip:
 
 * a peer that posted a failure note (it raised) stops this process at once, quoting it;
-* a peer whose counter has not moved for `timeout_s` (dead, hung, or its node gone) stops
-  this process, naming its rank.
+* a peer whose counter has not moved for `silence_s` (`dist.peer_silence_s`: dead, hung, or
+  its node gone) stops this process, naming its rank.
+
+The heartbeat is this thread's, not the training loop's: a long inner step or a checkpoint
+write (I/O and C code that let the thread run) is not silence. So `silence_s` can be far
+shorter than `dist.timeout_s`, the collectives' timeout, which must cover such waits.
 
 Stopping is `os._exit(EXIT_PEER_LOST)` after one line on stderr: the main thread may be
 blocked inside a collective that would never return. The last complete checkpoint is safe
@@ -37,11 +41,11 @@ _DONE = b"done"
 class PeerWatchdog:
     """Heartbeats of the `world_size` processes of a run, kept in a torch.distributed store."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, silence_s: float) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.timeout_s = timeout_s
-        self.interval = max(0.05, min(1.0, timeout_s / 10))
+        self.silence_s = silence_s
+        self.interval = max(0.05, min(1.0, silence_s / 10))
         self._store = store
         self._keys = [f"beat/{r}" for r in range(world_size)] + [f"failed/{r}" for r in range(world_size)]
         self._last: dict[int, tuple[bytes, float]] = {}  # peer -> (last counter seen, when it changed)
@@ -51,14 +55,15 @@ class PeerWatchdog:
         self._thread = threading.Thread(target=self._watch, name="isoloco-peer-watchdog", daemon=True)
 
     @classmethod
-    def connect(cls, rank: int, world_size: int, timeout_s: float) -> PeerWatchdog:
-        """A watchdog on its own connection to the store at MASTER_ADDR:MASTER_PORT (torchrun's)."""
+    def connect(cls, rank: int, world_size: int, silence_s: float) -> PeerWatchdog:
+        """A watchdog on its own connection to the store at MASTER_ADDR:MASTER_PORT (torchrun's);
+        a store that does not answer within `silence_s` is lost too."""
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        timeout = datetime.timedelta(seconds=timeout_s)
+        timeout = datetime.timedelta(seconds=silence_s)
         store = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
         # A torchrun restart reuses the store: keep each attempt's heartbeats apart.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return cls(dist.PrefixStore(f"isoloco/watchdog/{attempt}/", store), rank, world_size, timeout_s)
+        return cls(dist.PrefixStore(f"isoloco/watchdog/{attempt}/", store), rank, world_size, silence_s)
 
     def register(self) -> None:
         """Create this process's keys; every process must register before any `start`s
@@ -127,9 +132,9 @@ class PeerWatchdog:
             if self._notes:
                 self._stop_process(self._describe_notes())
                 return
-            silent = self._silent_peers(self.timeout_s)
+            silent = self._silent_peers(self.silence_s)
             if silent:
-                self._stop_process(self._describe_silent(silent, self.timeout_s) + " (dist.timeout_s)")
+                self._stop_process(self._describe_silent(silent, self.silence_s) + " (dist.peer_silence_s)")
                 return
 
     def _describe_notes(self) -> str:

@@ -15,7 +15,7 @@ import time
 import torch
 
 from isoloco import logs
-from isoloco.bench import comm, memory, ortho, outer, throughput
+from isoloco.bench import comm, memory, ortho, outer, scale, throughput
 from isoloco.trainer import resolve_device
 
 TABLES = {
@@ -24,6 +24,7 @@ TABLES = {
     "throughput": throughput.tables,
     "comm": comm.tables,
     "memory": memory.tables,
+    "scale": scale.tables,
 }
 
 

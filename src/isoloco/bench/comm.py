@@ -11,8 +11,8 @@ a multi-node job does; the figures are its counters, reset per round. Two tables
   averaged over processes, `shard_map`'s broadcasts of orthogonalised matrices included),
   for islands of G = 1, 2, 4 processes, before and after the split of the cross-island
   traffic among an island's G processes. "Before" is the same code given no island group,
-  so each of the G processes sends its whole tensors across islands (and shares Iso-C's
-  orthogonalisations with every process, across islands), as isoloco did before the split.
+  so each of the G processes sends its whole tensors across islands (and computes every one of
+  Iso-C's orthogonalisations itself), as isoloco did before the split.
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ def link_table(counts: dict[int, dict[str, dict[str, dict[str, float]]]]) -> Tab
         f"processes holding G workers each; one full delta is "
         f"{megabytes(model_bytes(LINK_PRESET))}), averaged over processes. Each process counts what it puts into "
         "a collective: an all-reduce its tensor, an all-gather its own block, a broadcast its tensor at the "
-        "source. Before: each of an island's G processes sends its whole tensors across islands, and Iso-C's "
-        "orthogonalised matrices are broadcast to every process; after: process j of each island sends slice j, "
+        "source. Before: each of an island's G processes sends its whole tensors across islands, and computes "
+        "every orthogonalisation itself; after: process j of each island sends slice j, "
         "the island all-gathers the slices, and the orthogonalisations are shared inside the island. With "
         "G = 1 there is nothing to split: every process is its own island.")
     return table
