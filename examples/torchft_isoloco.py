@@ -1,19 +1,28 @@
-"""IsoLoCo under torchft: 2 replica groups on one CPU machine, gloo, a lighthouse on 127.0.0.1.
+"""IsoLoCo under torchft: replica groups on one or several CPU machines, gloo, a torchft lighthouse.
 
     python examples/torchft_isoloco.py                                # IsoLoCo, tiny model, embedded corpus
     python examples/torchft_isoloco.py method=isoloco_fast            # the fast Newton-Schulz mode
+    python examples/torchft_isoloco.py method=ties                    # any rule: dare, ties, tsv, isocts, ...
     python examples/torchft_isoloco.py outer.iso_placement=update     # Iso-C after the momentum
     python examples/torchft_isoloco.py method=diloco --fragments 2    # Streaming DiLoCo, 2 fragments
+    python examples/torchft_isoloco.py --fragments 2 --sync-delay 5   # each all-reduce overlaps 5 steps
+
+    # two machines: A (10.0.0.1) runs the lighthouse and group 0, B (10.0.0.2) group 1
+    python examples/torchft_isoloco.py --groups 0 --host 10.0.0.1 --lighthouse-bind 10.0.0.1:29510   # on A
+    python examples/torchft_isoloco.py --groups 1 --host 10.0.0.2 --lighthouse http://10.0.0.1:29510 # on B
 
 Items are isoloco's `key=value` overrides on top of the quick preset (and of this example's
-defaults: 2 workers, 60 steps, H = 20). The script starts the lighthouse, then one process per
-replica group; each trains isoloco's worker r under torchft's DiLoCo with isoloco's outer
-optimizer, and this script prints every round's training loss and where the groups ended.
+defaults: 2 workers, 60 steps, H = 20). The script starts the lighthouse (unless given one),
+then one process per replica group it runs; each trains isoloco's worker r under torchft's
+DiLoCo with isoloco's outer optimizer (and, for DARE, TIES, TSV and Iso-CTS, isoloco's merge
+over torchft's quorum), and the script prints every round's training loss of its groups and
+where they ended. A bad option is refused in one line, exit status 2, before anything starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import multiprocessing
 import os
 import sys
@@ -25,64 +34,118 @@ import torch
 from isoloco.config import TrainConfig, parse_overrides, resolve
 from isoloco.errors import ConfigError
 from isoloco.data import load_token_data
-from isoloco.torchft.replica import GroupRun, check_group_config, run_replica_group, start_lighthouse
+from isoloco.torchft.replica import (LOCALHOST, GroupRun, check_group_config, run_replica_group,
+                                     start_lighthouse)
 
 DEFAULTS = {"workers": 2, "steps": 60, "inner_steps": 20, "checkpoint_every": 0}
 
 
-def group_main(cfg: TrainConfig, replica: int, lighthouse: str, fragments: int, out: Path) -> None:
+def group_main(cfg: TrainConfig, replica: int, lighthouse: str, args: argparse.Namespace, out: Path) -> None:
     """One replica group's process: train, then leave the result in `out` for the parent."""
     torch.set_num_threads(1)  # the groups share the machine's cores
-    run_replica_group(cfg, replica, lighthouse, fragments=fragments).save(out / f"group-{replica}")
+    run_replica_group(cfg, replica, lighthouse, fragments=args.fragments, sync_delay=args.sync_delay,
+                      host=args.host).save(out / f"group-{replica}")
+
+
+def local_groups(text: str | None, workers: int) -> list[int]:
+    """The replica groups named by --groups (all of them when None)."""
+    if text is None:
+        return list(range(workers))
+    try:
+        groups = sorted({int(item) for item in text.split(",")})
+    except ValueError:
+        raise ConfigError(f"--groups {text} is not a comma-separated list of group numbers, e.g. 0 or 0,1") from None
+    if not groups or not all(0 <= g < workers for g in groups):
+        raise ConfigError(f"--groups {text} is not allowed: choose among 0 to {workers - 1} (workers={workers})")
+    return groups
+
+
+def digest(params: dict[str, torch.Tensor]) -> str:
+    """A short fingerprint of a group's parameters: equal on every machine when the groups agree."""
+    sha = hashlib.sha256()
+    for name in sorted(params):
+        sha.update(params[name].contiguous().numpy().tobytes())
+    return sha.hexdigest()[:16]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("items", nargs="*", help="isoloco key=value overrides (e.g. method=isoloco_fast)")
     parser.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments (default 1)")
+    parser.add_argument("--sync-delay", type=int, default=0,
+                        help="inner steps each fragment's all-reduce overlaps (torchft's fragment_sync_delay; "
+                             "default 0)")
+    parser.add_argument("--groups", help="the replica groups this machine runs, e.g. 0 or 0,1 (default: all)")
+    parser.add_argument("--host", default=LOCALHOST,
+                        help="this machine's address, reachable from the other machines (default 127.0.0.1)")
+    lighthouse = parser.add_mutually_exclusive_group()
+    lighthouse.add_argument("--lighthouse", metavar="URL",
+                            help="join this running lighthouse, e.g. http://10.0.0.1:29510 (default: start one)")
+    lighthouse.add_argument("--lighthouse-bind", metavar="HOST:PORT", default=f"{LOCALHOST}:0",
+                            help="where the lighthouse started here listens (default 127.0.0.1, a free port)")
     args = parser.parse_args(argv)
     try:
         cfg = resolve("quick", {**DEFAULTS, **parse_overrides(args.items)})
-        for replica in range(cfg.workers):
-            check_group_config(cfg, replica, args.fragments)
+        groups = local_groups(args.groups, cfg.workers)
+        for replica in groups:
+            check_group_config(cfg, replica, args.fragments, args.sync_delay)
+        server, address = (None, args.lighthouse) if args.lighthouse else \
+            start_lighthouse(min_replicas=cfg.workers, bind=args.lighthouse_bind)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    data = load_token_data(cfg.data)  # prepares the corpus once, before the groups read it
-    print(f"{cfg.method}: {cfg.workers} replica groups, {cfg.train_steps} steps, H = {cfg.inner_steps}, "
-          f"{args.fragments} fragment(s), outer lr {cfg.outer.lr}, merge.ortho={cfg.merge.ortho}, "
-          f"outer.iso_placement={cfg.outer.iso_placement}")
-    server, address = start_lighthouse(min_replicas=cfg.workers)
+    try:
+        data = load_token_data(cfg.data)  # prepares the corpus once, before the groups read it
+        iso = (f" (merge.ortho={cfg.merge.ortho}, outer.iso_placement={cfg.outer.iso_placement})"
+               if cfg.merge.rule == "iso_c" else "")
+        print(f"{cfg.method}: {cfg.workers} replica groups ({', '.join(map(str, groups))} here), "
+              f"{cfg.train_steps} steps, H = {cfg.inner_steps}, {args.fragments} fragment(s), sync delay "
+              f"{args.sync_delay}, merge.rule={cfg.merge.rule}{iso}, outer lr {cfg.outer.lr}; lighthouse {address}",
+              flush=True)
+        runs = run_groups(cfg, groups, address, args)
+    finally:
+        if server is not None:
+            server.shutdown()
+    if runs is None:
+        return 1
+    # A round torchft retried (a failed commit) repeats its steps: its last attempt counts.
+    trained = {r: dict(zip(run.steps, run.losses)) for r, run in runs.items()}
+    for start in range(0, cfg.train_steps, cfg.inner_steps):
+        losses = {r: sum(loss[s] for s in range(start, start + cfg.inner_steps)) / cfg.inner_steps
+                  for r, loss in trained.items()}
+        print(f"round {start // cfg.inner_steps}: train loss " + ", ".join(f"group {r}: {loss:.3f}"
+                                                                          for r, loss in losses.items()))
+    print(f"outer steps committed: {[run.outer_steps for run in runs.values()]}; final parameters' sha256: "
+          + ", ".join(f"group {r}: {digest(run.params)}" for r, run in runs.items()))
+    if len(runs) > 1:
+        first, *others = runs.values()
+        gap = max((a - b).abs().max().item() for other in others
+                  for a, b in zip(first.params.values(), other.params.values()))
+        # With several fragments only the last one was synchronised at the last step; the others
+        # have trained locally since their own last synchronisation.
+        which = "final parameters" if args.fragments == 1 else "final parameters (only the last fragment just synced)"
+        print(f"largest difference between the groups' {which}: {gap:.3g}")
+    print(f"unigram baseline of the corpus: {data.unigram_loss:.3f}")
+    return 0
+
+
+def run_groups(cfg: TrainConfig, groups: list[int], lighthouse: str,
+               args: argparse.Namespace) -> dict[int, GroupRun] | None:
+    """Run each group in its own process; their results, or None (saying so) if any failed."""
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
-        groups = [context.Process(target=group_main, args=(cfg, r, address, args.fragments, Path(out)))
-                  for r in range(cfg.workers)]
-        try:
-            for group in groups:
-                group.start()
-            for group in groups:
-                group.join()
-        finally:
-            server.shutdown()
-        failed = [r for r, group in enumerate(groups) if group.exitcode != 0]
+        processes = {r: context.Process(target=group_main, args=(cfg, r, lighthouse, args, Path(out)))
+                     for r in groups}
+        for process in processes.values():
+            process.start()
+        for process in processes.values():
+            process.join()
+        failed = {r: p.exitcode for r, p in processes.items() if p.exitcode != 0}
         if failed:
-            print(f"error: replica group(s) {failed} failed (exit codes "
-                  f"{[groups[r].exitcode for r in failed]}); their output is above", file=sys.stderr)
-            return 1
-        runs = [GroupRun.load(Path(out) / f"group-{r}") for r in range(cfg.workers)]
-    # A round torchft retried (a failed commit) repeats its steps: its last attempt counts.
-    trained = [dict(zip(run.steps, run.losses)) for run in runs]
-    for start in range(0, cfg.train_steps, cfg.inner_steps):
-        losses = [sum(loss[s] for s in range(start, start + cfg.inner_steps)) / cfg.inner_steps for loss in trained]
-        print(f"round {start // cfg.inner_steps}: train loss " + ", ".join(f"group {r}: {loss:.3f}"
-                                                                          for r, loss in enumerate(losses)))
-    gap = max((a - b).abs().max().item() for a, b in zip(runs[0].params.values(), runs[1].params.values()))
-    # With several fragments only the last one was synchronised at the last step; the others
-    # have trained locally since their own last synchronisation.
-    which = "final parameters" if args.fragments == 1 else "final parameters (only the last fragment just synced)"
-    print(f"outer steps committed: {[run.outer_steps for run in runs]}; largest difference between the groups' "
-          f"{which}: {gap:.3g}; unigram baseline of the corpus: {data.unigram_loss:.3f}")
-    return 0
+            print(f"error: replica group(s) {sorted(failed)} failed (exit codes {list(failed.values())}); their "
+                  "output is above", file=sys.stderr)
+            return None
+        return {r: GroupRun.load(Path(out) / f"group-{r}") for r in groups}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""IsoLoCo inside torchft's DiLoCo: the simulator's numbers, and recovery of a killed group.
+"""IsoLoCo and every merge rule inside torchft's DiLoCo: the simulator's numbers, and recovery
+of a killed group.
 
-Replica groups are real processes talking through a torchft lighthouse and gloo on 127.0.0.1.
+Replica groups are real processes talking through a torchft lighthouse and gloo on 127.0.0.1;
+a few tests of the merge in the quorum use a stand-in for torchft's Manager instead.
 Select these tests with ``pytest -m torchft`` (they need the extra: ``pip install -e '.[torchft]'``).
 """
 
@@ -21,34 +23,46 @@ from safetensors.torch import load_file, save_file
 from isoloco.config import TrainConfig, resolve
 from isoloco.errors import ConfigError
 from isoloco.data import load_token_data
-from isoloco.merge import MergeConfig
+from isoloco.merge import MergeConfig, ties
 from isoloco.model import build_model
-from isoloco.outer import OuterConfig
-from isoloco.torchft import RULE_FIT, outer_optimizer
+from isoloco.torchft import QuorumCommunicator, merge_in_quorum
 from isoloco.trainer import Trainer
 
 import helpers
 
 pytest.importorskip("torchft", reason="the torchft extra is not installed: pip install -e '.[torchft]'")
 
-from isoloco.torchft.replica import GroupRun, run_replica_group, start_lighthouse  # noqa: E402
+from torchft.local_sgd import DiLoCo  # noqa: E402
+
+from isoloco.torchft.replica import (GroupRun, JointInnerStep, model_fragments, run_replica_group,  # noqa: E402
+                                     start_lighthouse)
 
 pytestmark = [pytest.mark.torchft, pytest.mark.multiprocess]
 
 # The simulator tests' tiny setting (tests/test_trainer.py): 2 workers, 3 outer steps.
 TINY = {**helpers.SMALL, "steps": 6, "inner_steps": 2, "workers": 2, "eval_every": 6, "device": "cpu"}
 
-#: Outer steps checked against the simulator: IsoLoCo exact and fast, both placements, and the mean.
+#: Outer steps checked against the simulator: IsoLoCo exact and fast, both placements, the mean,
+#: and the rules merged by isoloco's collectives in torchft's quorum.
 EQUIVALENT = {
     "isoloco": {"method": "isoloco"},
     "isoloco_update": {"method": "isoloco", "outer.iso_placement": "update"},
     "isoloco_fast": {"method": "isoloco_fast"},
     "diloco": {"method": "diloco"},
+    "isoloco_muon": {"method": "isoloco_muon"},  # two inner optimizers, stepped as one under torchft
+    "dare": {"method": "dare"},
+    "ties": {"method": "ties"},
+    "tsv": {"method": "tsv"},
+    "isocts": {"method": "isocts"},
 }
+
+#: The methods whose rule torchft's all-reduce of the mean does not carry.
+QUORUM_METHODS = ["dare", "ties", "tsv", "isocts"]
 
 INIT_SYNC = "init_sync"  # the first EQUIVALENT config with torchft's default init_sync=True
 SPAWN = multiprocessing.get_context("spawn")
 JOIN_S = 300  # every process here finishes in well under a minute; this only bounds a hang
+EXAMPLE = Path(__file__).parents[1] / "examples" / "torchft_isoloco.py"
 
 
 def config(**overrides) -> TrainConfig:
@@ -135,21 +149,255 @@ def test_torchft_default_init_sync_makes_the_first_round_group_0s_alone(tmp_path
     assert statistics.median(errors) > 0.1
 
 
-def test_rules_that_need_more_than_the_mean_are_refused_in_one_line():
-    params = [("w", torch.nn.Parameter(torch.zeros(2, 2)))]
-    for rule, reason in RULE_FIT.items():
-        merge = MergeConfig(rule=rule)
-        if reason is None:
-            assert isinstance(outer_optimizer(params, merge, OuterConfig()), torch.optim.Optimizer)
-            continue
+class _QuorumOfOne:
+    """torchft's Manager as a group alone in its quorum sees it: the sum, or the mean, over the
+    quorum is the tensor itself. After `fail_after` all-reduces it records an error, as torchft's
+    Manager does when a peer is lost during a collective, and then refuses to commit."""
+
+    _use_async_quorum = False  # DiLoCo needs a synchronous quorum
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.fail_after = fail_after
+        self.all_reduces = 0
+
+    def allreduce(self, tensor, should_quantize=False, reduce_op=torch.distributed.ReduceOp.AVG):
+        self.all_reduces += 1
+        return _Finished()
+
+    def errored(self):
+        failed = self.fail_after is not None and self.all_reduces > self.fail_after
+        return RuntimeError("peer lost") if failed else None
+
+    def should_commit(self) -> bool:
+        return self.errored() is None
+
+    def num_participants(self) -> int:
+        return 1
+
+    def participating_rank(self) -> int:
+        return 0
+
+    def current_step(self) -> int:
+        return 0
+
+    def start_quorum(self) -> None:
+        pass
+
+    def allow_state_dict_read(self) -> None:
+        pass
+
+    def disallow_state_dict_read(self) -> None:
+        pass
+
+    def register_state_dict_fn(self, *args) -> None:
+        pass
+
+
+class _Finished:
+    """A collective that has completed."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _one_round(manager: _QuorumOfOne, merge: MergeConfig, **diloco) -> tuple[dict, dict, dict]:
+    """Two linear layers under torchft's DiLoCo (H = 1, outer SGD with lr 1, so θ moves by
+    minus the merged pseudo-gradient): θ before, θ_r after the inner step, and θ after the sync."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Linear(12, 8))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    inner = torch.optim.SGD(model.parameters(), lr=0.5)
+    outer = torch.optim.SGD(model.parameters(), lr=1.0)
+    ft = DiLoCo(manager, [model], inner, outer, sync_every=1, backup_device=torch.device("cpu"), pin_memory=False,
+                **diloco)
+    merge_in_quorum(ft, model, merge, seed=0, replica=0)
+    with ft:
+        for param in model.parameters():
+            param.grad = torch.randn_like(param)
+        local = {n: (p - 0.5 * p.grad).detach() for n, p in model.named_parameters()}
+        inner.step()  # the inner step, then torchft's synchronisation in its post-step hook
+    return before, local, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_torchft_steps_on_the_rules_merge_in_place_of_the_mean():
+    """Alone in its quorum a group's TIES merge is its own trimmed pseudo-gradient, not the
+    pseudo-gradient itself (which the mean would be): torchft's outer step applies the merge."""
+    before, local, after = _one_round(_QuorumOfOne(), MergeConfig(rule="ties", density=0.5))
+    for name in before:
+        merged = ties([before[name] - local[name]], density=0.5)
+        assert torch.equal(after[name], before[name] - merged), name
+        assert not torch.equal(after[name], local[name]), name  # half the entries were trimmed
+
+
+def test_a_collective_that_fails_during_the_merge_leaves_the_round_uncommitted():
+    # The id exchange succeeds, TIES's first sum of the first tensor fails: the merge sends
+    # nothing more (that tensor's second sum and the other tensors' sums are not made), torchft
+    # does not commit, and θ is restored for the round to be trained again.
+    manager = _QuorumOfOne(fail_after=1)
+    before, _, after = _one_round(manager, MergeConfig(rule="ties", bucket_mb=1e-6))  # one bucket per tensor
+    assert manager.all_reduces == 2
+    for name in before:
+        assert torch.equal(after[name], before[name]), name
+
+
+def test_quantised_all_reduce_is_refused_for_the_rules_merged_in_the_quorum():
+    with pytest.raises(ConfigError) as error:
+        _one_round(_QuorumOfOne(), MergeConfig(rule="dare"), should_quantize=True)
+    assert str(error.value).startswith("should_quantize=True is not allowed with merge.rule=dare")
+    assert "\n" not in str(error.value)
+    _one_round(_QuorumOfOne(), MergeConfig(rule="iso_c"), should_quantize=True)  # the mean's all-reduce may be
+
+
+def test_parameters_sharded_within_a_group_are_refused_for_the_rules_merged_in_the_quorum(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    # A group of one process whose matrix is a DTensor, as FSDP or tensor parallelism leave it.
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), init_device_mesh("cpu", (1,)),
+                                                            [Shard(0)]))
+        ft = DiLoCo(_QuorumOfOne(), [model], torch.optim.SGD(model.parameters(), lr=0.1),
+                    torch.optim.SGD(model.parameters(), lr=1.0), sync_every=1, pin_memory=False)
         with pytest.raises(ConfigError) as error:
-            outer_optimizer(params, merge, OuterConfig())
-        assert f"merge.rule={rule} does not fit" in str(error.value) and "\n" not in str(error.value)
+            merge_in_quorum(ft, model, MergeConfig(rule="tsv"), seed=0, replica=0)
+    finally:
+        dist.destroy_process_group()
+    assert str(error.value).startswith("merge.rule=tsv needs whole tensors, but 'weight' is sharded (a DTensor)")
+    assert "\n" not in str(error.value)
+
+
+class _TwinInQuorum(_QuorumOfOne):
+    """A quorum of two whose other group was started with this group's worker id."""
+
+    def num_participants(self) -> int:
+        return 2
+
+    def allreduce(self, tensor, should_quantize=False, reduce_op=torch.distributed.ReduceOp.AVG):
+        tensor[1] = tensor[0]  # what the other group writes at its rank
+        return super().allreduce(tensor, should_quantize, reduce_op)
+
+
+def test_two_groups_that_are_one_worker_are_refused_in_one_line():
+    with pytest.raises(ConfigError) as error:
+        QuorumCommunicator(_TwinInQuorum(), replica=1)
+    assert str(error.value) == ("several replica groups in torchft's quorum are worker 1: give each group its own "
+                                "replica number")
+
+
+@pytest.mark.parametrize("method", QUORUM_METHODS)
+def test_the_example_trains_every_rule(method):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(EXAMPLE), f"method={method}", *helpers.SMALL_ARGS, "steps=6",
+                             "inner_steps=2"], env={**helpers.ONE_THREAD_ENV, "RUST_LOG": "error"},
+                            capture_output=True, text=True, timeout=JOIN_S)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"{method}: 2 replica groups")
+    assert any(line.startswith("outer steps committed: [3, 3]") for line in lines), result.stdout
+    assert "largest difference between the groups' final parameters: 0" in lines
+
+
+def test_two_machines_on_distinct_loopback_addresses_train_as_one_job():
+    """The README's two-machine recipe, each "machine" an address of its own (127.0.0.2 runs the
+    lighthouse and group 0, 127.0.0.3 group 1): both commit every outer step and end equal."""
+    import subprocess
+    import sys
+
+    from isoloco.launch import free_port
+
+    tiny = [*helpers.SMALL_ARGS, "steps=6", "inner_steps=2"]
+    port = free_port("127.0.0.2")
+    env = {**helpers.ONE_THREAD_ENV, "RUST_LOG": "error"}  # torchft's lighthouse and managers: errors only
+    machine_a = subprocess.Popen([sys.executable, str(EXAMPLE), *tiny, "--groups", "0", "--host", "127.0.0.2",
+                                  "--lighthouse-bind", f"127.0.0.2:{port}"], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        header = machine_a.stdout.readline()  # printed once its lighthouse listens
+        assert f"lighthouse http://127.0.0.2:{port}" in header, (header, machine_a.communicate())
+        machine_b = subprocess.run([sys.executable, str(EXAMPLE), *tiny, "--groups", "1", "--host", "127.0.0.3",
+                                    "--lighthouse", f"http://127.0.0.2:{port}"], env=env, capture_output=True,
+                                   text=True, timeout=JOIN_S)
+        out_a, err_a = machine_a.communicate(timeout=JOIN_S)
+    finally:
+        machine_a.kill()
+    assert machine_a.returncode == 0 and machine_b.returncode == 0, (err_a, machine_b.stderr)
+    finished = [next(line for line in out.splitlines() if line.startswith("outer steps committed"))
+                for out in (out_a, machine_b.stdout)]
+    assert finished[0].startswith("outer steps committed: [3]; final parameters' sha256: group 0: ")
+    assert finished[1].startswith("outer steps committed: [3]; final parameters' sha256: group 1: ")
+    assert finished[0].rsplit(": ", 1)[1] == finished[1].rsplit(": ", 1)[1]  # the same θ on both machines
+
+
+DELAYED = {"steps": 8, "inner_steps": 4}  # 2 fragments: one synchronised every 2 steps
+
+
+def _delayed_group(cfg: TrainConfig, replica: int, lighthouse: str, out: Path, delay: int) -> None:
+    torch.set_num_threads(1)
+    run_replica_group(cfg, replica, lighthouse, fragments=2, sync_delay=delay).save(out / f"delay{delay}-{replica}")
+
+
+@pytest.mark.parametrize("method", ["isoloco", "isocts"])
+def test_an_all_reduce_overlapping_an_inner_step_keeps_the_groups_in_step(tmp_path, method):
+    """Streaming DiLoCo with IsoLoCo per fragment (or Iso-CTS, merged in the quorum fragment by
+    fragment) and torchft's fragment_sync_delay = 1: every synchronisation commits, and the
+    fragment synchronised last is the same new θ in both groups, another than without the delay
+    (its pseudo-gradient was taken a step earlier)."""
+    cfg = config(**DELAYED, method=method)
+    load_token_data(cfg.data)
+    server, address = start_lighthouse(min_replicas=2)
+    try:
+        for delay in (0, 1):
+            groups = [SPAWN.Process(target=_delayed_group, args=(cfg, r, address, tmp_path, delay)) for r in range(2)]
+            for group in groups:
+                group.start()
+            _join(groups)
+            assert [g.exitcode for g in groups] == [0, 0]
+    finally:
+        server.shutdown()
+    runs = {delay: [GroupRun.load(tmp_path / f"delay{delay}-{r}") for r in range(2)] for delay in (0, 1)}
+    for run in [*runs[0], *runs[1]]:
+        assert run.steps == list(range(8)) and run.outer_steps == 4
+    model = build_model(cfg.model, load_token_data(cfg.data).vocab_size, cfg.seq_len, cfg.seed)
+    names = {param: name for name, param in model.named_parameters()}
+    last = [names[p] for p in model_fragments(model, 2)[-1].parameters()]
+    for name in last:
+        assert torch.equal(runs[1][0].params[name], runs[1][1].params[name]), name
+    assert max(relative_error(runs[1][0].params[n], runs[0][0].params[n]) for n in last) > 1e-4
+
+
+def test_muon_and_adamw_step_inside_torchfts_hooks():
+    """torchft's pre-step hook locks the state against a recovering peer's read and its post-step
+    hook unlocks it: every inner optimizer of the worker must step in between."""
+    from isoloco.inner import InnerOptimizer
+
+    cfg = config(method="isoloco_muon")
+    model = build_model(cfg.model, 512, cfg.seq_len, cfg.seed)
+    inner = InnerOptimizer(list(model.named_parameters()), cfg.inner, cfg.steps)
+    joint = JointInnerStep(inner)
+    locked = []
+    joint.register_step_pre_hook(lambda *_: locked.append(True))
+    joint.register_step_post_hook(lambda *_: locked.append(False))
+    stepped = []
+    for optimizer in inner.optimizers:
+        def step(*args, _original=optimizer.step, _name=type(optimizer).__name__, **kwargs):
+            stepped.append((_name, locked[-1]))
+            return _original(*args, **kwargs)
+        optimizer.step = step
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    joint.step(0)
+    assert stepped == [("Muon", True), ("AdamW", True)] and locked == [True, False]
+    assert all(param.grad is None for param in model.parameters())  # the whole inner step ran
 
 
 # ------------------------------------------------------------------------------ the fault
 
-FAULT = {"method": "isoloco", "steps": 8}  # 4 outer steps of H = 2
+FAULT = {"steps": 8}  # 4 outer steps of H = 2
 KILL_AT = 2  # replica group 1 dies after this step: the middle of round 1
 HEALED = 3  # the survivor's step whose synchronisation brings group 1 back
 
@@ -197,8 +445,9 @@ def _fault_group(cfg: TrainConfig, replica: int, lighthouse: str, out: Path, on_
     run_replica_group(cfg, replica, lighthouse, on_step=on_step).save(out / name)
 
 
-def test_a_killed_group_recovers_through_torchft(tmp_path):
-    cfg = config(**FAULT)
+@pytest.mark.parametrize("method", ["isoloco", *QUORUM_METHODS])
+def test_a_killed_group_recovers_through_torchft(tmp_path, method):
+    cfg = config(**FAULT, method=method)
     load_token_data(cfg.data)
     # A quorum needs both groups, so the survivor's round 1 waits for the restarted group rather
     # than racing it (with min_replicas=1 it would commit alone and be rejoined a round later);

@@ -1,16 +1,20 @@
-"""IsoLoCo inside torchft: isoloco's outer step as the outer optimizer of torchft's `DiLoCo`.
+"""IsoLoCo inside torchft: isoloco's outer step, and every merge rule, in torchft's `DiLoCo`.
 
 torchft (`pip install 'isoloco[torchft]'`) keeps a quorum of replica groups through its
 lighthouse, recovers a restarted group from a live peer and all-reduces the mean of the
-groups' pseudo-gradients into ``p.grad`` before stepping its outer optimizer. Every isoloco
-rule that is a function of that mean runs there unchanged:
+groups' pseudo-gradients into ``p.grad`` before stepping its outer optimizer:
 
-* `optimizer` (no torchft import): which rules fit the mean, and the outer optimizer per
-  model fragment that reproduces isoloco's own outer step from it;
+* `optimizer` (no torchft import): the outer optimizer per model fragment that reproduces
+  isoloco's own outer step; mean and Iso-C step on torchft's mean;
+* `quorum` (no torchft import): every other rule (DARE, TIES, TSV, Iso-CTS) merged by
+  isoloco's merge engine over torchft's quorum, in place of the mean (`merge_in_quorum`);
 * `replica` (needs torchft): one replica group training isoloco's model on isoloco's
-  batches under torchft's `DiLoCo`, and a lighthouse on 127.0.0.1 for one-machine runs.
+  batches under torchft's `DiLoCo`, its inner optimizers stepping as one inside torchft's
+  hooks, and a lighthouse; addresses default to 127.0.0.1 and are options for several machines.
 """
 
-from isoloco.torchft.optimizer import RULE_FIT, outer_optimizer, outer_optimizers
+from isoloco.torchft.optimizer import MEAN_RULES, merges_in_quorum, outer_optimizer, outer_optimizers
+from isoloco.torchft.quorum import QuorumCommunicator, merge_in_quorum
 
-__all__ = ["RULE_FIT", "outer_optimizer", "outer_optimizers"]
+__all__ = ["MEAN_RULES", "QuorumCommunicator", "merge_in_quorum", "merges_in_quorum", "outer_optimizer",
+           "outer_optimizers"]

@@ -1,9 +1,12 @@
-"""Which merge rules fit torchft's all-reduce of the mean, and the outer optimizer that applies them.
+"""Which merge rules torchft's all-reduce of the mean carries, and the outer optimizer of every rule.
 
 torchft's `DiLoCo` computes each replica group's pseudo-gradient θ − θ_r, all-reduces its
-mean into ``p.grad`` and steps the outer optimizer it was given. A rule fits when it is a
-function of that mean alone: the outer optimizer then finishes the rule and steps, with the
-numbers of isoloco's own `OuterStep` (merge, then torch's SGD / Nesterov or `IsoLoCo`).
+mean into ``p.grad`` and steps the outer optimizer it was given. Mean and Iso-C are functions
+of that mean: the outer optimizer finishes the rule and steps, with the numbers of isoloco's
+own `OuterStep` (merge, then torch's SGD / Nesterov or `IsoLoCo`). Every other rule needs
+collectives of its own, which `isoloco.torchft.quorum.merge_in_quorum` makes in torchft's
+quorum in place of the mean; its outer optimizer then steps on the merged tensor, as
+isoloco's `OuterStep` does.
 """
 
 from __future__ import annotations
@@ -12,46 +15,36 @@ import dataclasses
 
 import torch
 
-from isoloco.errors import ConfigError
 from isoloco.merge import MergeConfig
 from isoloco.outer import OuterConfig, build_outer_optimizer, validate_combination
 
-#: Every merge rule: None where it fits torchft's all-reduce of the mean, else why it cannot.
-RULE_FIT: dict[str, str | None] = {
-    "mean": None,
-    "iso_c": None,
-    "ties": "its sign election needs the sum of every group's trimmed delta before the masked mean "
-            "is formed, and per-entry counts after it: collectives torchft's DiLoCo does not make",
-    "dare": "each group's delta must be masked with that group's random drop before the mean, and "
-            "torchft's DiLoCo computes the delta and starts its all-reduce in one step, with no hook "
-            "between them",
-    "tsv": "it stacks every group's own top singular vectors (an all-gather of factors); the mean "
-           "has lost them",
-    "iso_cts": "it adds every group's own top singular vectors outside the common subspace (an "
-               "all-gather of factors); the mean has lost them",
-}
+#: The rules that are a function of the groups' mean, which torchft's own all-reduce carries
+#: (so it overlaps with `fragment_sync_delay` and may be quantised).
+MEAN_RULES = ("mean", "iso_c")
+
+
+def merges_in_quorum(merge: MergeConfig) -> bool:
+    """Whether `merge.rule` needs isoloco's collectives in torchft's quorum
+    (`isoloco.torchft.quorum.merge_in_quorum`) instead of torchft's all-reduce of the mean."""
+    return merge.rule not in MEAN_RULES
 
 
 def outer_optimizer(
     named_params: list[tuple[str, torch.nn.Parameter]], merge: MergeConfig, outer: OuterConfig
 ) -> torch.optim.Optimizer:
-    """The outer optimizer for torchft's `DiLoCo` that, stepping on the mean pseudo-gradient in
-    ``p.grad``, does what isoloco's outer step does with `merge` and `outer`.
+    """The outer optimizer for torchft's `DiLoCo` that does what isoloco's outer step does with
+    `merge` and `outer`, stepping on what torchft leaves in ``p.grad``.
 
-    Mean: torch's SGD (Nesterov when configured). Iso-C: `IsoLoCo` with `outer.iso_placement`,
-    the configured orthogonalisation (exact or the fast modes) and `merge.exclude`; the
-    correction of the mean then happens in the optimizer instead of in the merge, the same
-    numbers. Any other rule raises `ConfigError` saying why it cannot fit.
+    Mean: torch's SGD (Nesterov when configured), on the mean. Iso-C: `IsoLoCo` with
+    `outer.iso_placement`, the configured orthogonalisation (exact or the fast modes) and
+    `merge.exclude`, on the mean; the correction then happens in the optimizer instead of in
+    the merge, the same numbers. Any other rule: torch's SGD / Nesterov on the merged tensor,
+    which needs `merge_in_quorum` on the `DiLoCo`.
     """
     merge.validate()
     outer.validate()
     validate_combination(merge, outer)
-    reason = RULE_FIT.get(merge.rule)
-    if reason is not None:
-        fitting = ", ".join(rule for rule, why in RULE_FIT.items() if why is None)
-        raise ConfigError(f"merge.rule={merge.rule} does not fit torchft's all-reduce of the mean: {reason}; "
-                          f"use one of {fitting}")
-    if merge.rule == "mean":
+    if merge.rule != "iso_c":
         return build_outer_optimizer(named_params, merge, outer)
     # isoloco's builder makes the update-placement IsoLoCo (param groups split by merge.exclude);
     # the gradient placement differs only in the group key `placement`, read at each step.

@@ -3,12 +3,16 @@
 The group trains what worker `replica` of isoloco's simulator trains: the same model and
 initial weights (from the seed), the same inner optimizer and schedule, and worker
 `replica`'s share of each step's global batch. torchft does the rest: every `inner_steps`
-steps its `DiLoCo` all-reduces the mean pseudo-gradient over the quorum of live groups and
-steps the isoloco outer optimizer (`isoloco.torchft.optimizer`); a group that (re)joins
+steps its `DiLoCo` merges the pseudo-gradients over the quorum of live groups (torchft's
+all-reduce of the mean, or isoloco's rule through `isoloco.torchft.quorum`) and steps the
+isoloco outer optimizer (`isoloco.torchft.optimizer`); a group that (re)joins
 behind the others first recovers the model, inner optimizer and outer state from a live peer.
 
-Everything listens on 127.0.0.1 except what torchft binds itself: its manager server and
-its checkpoint HTTP server bind every interface (the latter advertises the host name).
+Addresses are options, 127.0.0.1 by default (one machine): the lighthouse's (`bind`), and
+each group's `host`, where its rendezvous store and torchft's manager are reached by the other
+groups. torchft binds its manager server and its checkpoint HTTP server on every interface
+itself (the latter advertises the machine's host name, which the other machines must resolve
+for a recovery).
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from safetensors.torch import load_file, save_file
 
 from isoloco.config import TrainConfig
 from isoloco.data import Batches, load_token_data
-from isoloco.errors import ConfigError
+from isoloco.errors import ConfigError, first_line
 from isoloco.inner import InnerOptimizer
 from isoloco.model import build_model
 from isoloco.torchft.optimizer import outer_optimizers
+from isoloco.torchft.quorum import merge_in_quorum
 
 try:
     from torch.distributed import TCPStore
@@ -41,20 +46,29 @@ except ImportError as error:  # the extra is optional: say how to get it, in one
     raise ImportError(f"isoloco.torchft.replica needs torchft ({error}); install it with "
                       "pip install 'isoloco[torchft]'") from None
 
-HOST = "127.0.0.1"
+#: One machine: every address is the loopback one.
+LOCALHOST = "127.0.0.1"
 
 
-def start_lighthouse(min_replicas: int, heartbeat_timeout_ms: int = 5000,
-                     join_timeout_ms: int = 60000) -> tuple[LighthouseServer, str]:
-    """A torchft lighthouse on 127.0.0.1 at a free port, and the address groups connect to.
+def start_lighthouse(min_replicas: int, heartbeat_timeout_ms: int = 5000, join_timeout_ms: int = 60000,
+                     bind: str = f"{LOCALHOST}:0") -> tuple[LighthouseServer, str]:
+    """A torchft lighthouse listening at `bind` (HOST:PORT; port 0: a free one), and the address
+    the groups connect to, http://HOST:PORT, so HOST must be reachable from every machine.
 
     A quorum forms once `min_replicas` groups (and more than half of the live ones) have
     joined; a group that stops heartbeating for `heartbeat_timeout_ms` is dropped from it.
     """
-    server = LighthouseServer(bind=f"{HOST}:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
-                              heartbeat_timeout_ms=heartbeat_timeout_ms)
-    # address() names the host by its host name; the port is what matters on 127.0.0.1.
-    return server, f"http://{HOST}:{urlsplit(server.address()).port}"
+    host, _, port = bind.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"lighthouse address {bind!r} is not HOST:PORT, e.g. 10.0.0.1:29510 (port 0: a free one)")
+    try:
+        server = LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                                  heartbeat_timeout_ms=heartbeat_timeout_ms)
+    except RuntimeError as error:  # the address is not this machine's, or the port is taken
+        raise ConfigError(f"cannot start a lighthouse at {bind} ({first_line(error)}); name an address of this "
+                          "machine and a free port (0: any)") from None
+    # address() names the machine by its host name, which other machines may not resolve.
+    return server, f"http://{host}:{urlsplit(server.address()).port}"
 
 
 def model_fragments(model: torch.nn.Module, count: int) -> list[torch.nn.ModuleList]:
@@ -70,7 +84,7 @@ def model_fragments(model: torch.nn.Module, count: int) -> list[torch.nn.ModuleL
     return [torch.nn.ModuleList(block) for block in blocks]
 
 
-def check_group_config(cfg: TrainConfig, replica: int, fragments: int) -> None:
+def check_group_config(cfg: TrainConfig, replica: int, fragments: int, sync_delay: int = 0) -> None:
     """Refuse, in one line, a config torchft's `DiLoCo` cannot run as isoloco would."""
     if cfg.algorithm != "diloco":
         raise ConfigError(f"method={cfg.method} is not DiLoCo: torchft's DiLoCo runs the DiLoCo methods only")
@@ -82,8 +96,32 @@ def check_group_config(cfg: TrainConfig, replica: int, fragments: int) -> None:
     if cfg.inner_steps % fragments:
         raise ConfigError(f"inner_steps={cfg.inner_steps} is not a multiple of fragments={fragments}: torchft "
                           "synchronises one fragment every inner_steps/fragments steps")
+    period = cfg.inner_steps // fragments
+    if not 0 <= sync_delay < period:
+        raise ConfigError(f"sync_delay={sync_delay} is not allowed: a fragment's all-reduce must end before the next "
+                          f"fragment's starts, so choose 0 to {period - 1} (inner_steps/fragments - 1)")
     if cfg.device not in ("cpu", "auto"):
         raise ConfigError(f"device={cfg.device} is not supported here: replica groups run on CPU with gloo")
+
+
+class JointInnerStep(torch.optim.Optimizer):
+    """A worker's inner optimizers (Muon and the AdamW beside it) as one torch optimizer.
+
+    torchft's `DiLoCo` hooks one optimizer: its pre-step hook forbids reading the state (a
+    recovering peer copies it), its post-step hook allows it again and synchronises. Hooked
+    on one of several optimizers, the others would step outside that lock and a peer could
+    read a half-written state; hooked here, the whole inner step (clipping, every optimizer,
+    clearing the gradients) is inside it. `step(s)` is `InnerOptimizer.step(s)`.
+    """
+
+    def __init__(self, inner: InnerOptimizer) -> None:
+        # The parameters make it a valid torch optimizer; the state lives in `inner`'s.
+        super().__init__(inner.params, {})
+        self.inner = inner
+
+    @torch.no_grad()
+    def step(self, step: int) -> None:  # type: ignore[override]  (the global step, not a closure)
+        self.inner.step(step)
 
 
 @dataclasses.dataclass
@@ -126,24 +164,35 @@ def run_replica_group(
     lighthouse: str,
     *,
     fragments: int = 1,
+    sync_delay: int = 0,
+    host: str = LOCALHOST,
+    store_port: int = 0,
     init_sync: bool = False,
     timeout: timedelta = timedelta(seconds=60),
     on_step: Callable[[int, float, torch.nn.Module], None] | None = None,
 ) -> GroupRun:
     """Train replica group `replica` (isoloco's worker `replica` of `cfg.workers`) under torchft.
 
-    `cfg` is an isoloco run config (a DiLoCo method whose rule fits torchft: see `RULE_FIT`);
-    `lighthouse` the address of a running lighthouse. ``init_sync=False`` because every group
-    builds the same initial weights from the seed; with torchft's default (True) the first
-    synchronisation copies the first group's state into the others, so only its first round
-    counts. `on_step(step, loss, model)` runs after every inner step (and after the
-    synchronisation that step triggered). Returns when torchft has committed every round.
+    `cfg` is an isoloco run config (any DiLoCo method, any merge rule); `lighthouse` the
+    address of a running lighthouse. `sync_delay` (torchft's `fragment_sync_delay`, the
+    Streaming DiLoCo paper's τ): a fragment's pseudo-gradient is taken and its merge started
+    that many inner steps before its synchronisation, so torchft's all-reduce of the mean
+    overlaps those steps (the other rules merge at once: see `merge_in_quorum`); torchft then
+    sets the fragment to the new θ, dropping what it trained meanwhile (`fragment_update_alpha`
+    0). `host`: this machine's address, where the other groups reach this group's rendezvous
+    store (at `store_port`; 0: a free port) and torchft's manager. ``init_sync=False`` because
+    every group builds the same initial weights from the seed; with torchft's default (True)
+    the first synchronisation copies the first group's state into the others, so only its
+    first round counts.
+    `on_step(step, loss, model)` runs after every inner step (and after the synchronisation
+    that step triggered). Returns when torchft has committed every round.
     """
-    check_group_config(cfg, replica, fragments)
+    check_group_config(cfg, replica, fragments, sync_delay)
     data = load_token_data(cfg.data, progress=False)
     batches = Batches(data.train, cfg.seq_len, cfg.global_batch, cfg.seed)
     model = build_model(cfg.model, data.vocab_size, cfg.seq_len, cfg.seed)
     inner = InnerOptimizer(list(model.named_parameters()), cfg.inner, cfg.steps)
+    joint = JointInnerStep(inner)
     names = {param: name for name, param in model.named_parameters()}
     parts = model_fragments(model, fragments)
     outer = outer_optimizers([[(names[p], p) for p in part.parameters()] for part in parts], cfg.merge, cfg.outer)
@@ -156,28 +205,29 @@ def run_replica_group(
         inner.load_state_dicts(state["inner"])
 
     # Each group is one process, so its own store (the group's rendezvous) lives here.
-    store = TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    store = TCPStore(host, store_port, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
         min_replica_size=1, use_async_quorum=False,  # DiLoCo needs the quorum before each sync
-        replica_id=f"isoloco_{replica}", store_addr=HOST, store_port=store.port, rank=0, world_size=1,
-        lighthouse_addr=lighthouse, hostname=HOST, init_sync=init_sync,
+        replica_id=f"isoloco_{replica}", store_addr=host, store_port=store.port, rank=0, world_size=1,
+        lighthouse_addr=lighthouse, hostname=host, init_sync=init_sync,
         timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
     )
     period = cfg.inner_steps // fragments  # inner steps between two fragment synchronisations
     rounds = cfg.train_steps // period
     run = GroupRun(replica, [], [], 0, {})
     try:
-        # torchft hooks the inner optimizer stepped last, so it syncs after every one has stepped.
-        with DiLoCo(manager, list(parts), inner.optimizers[-1], outer, sync_every=cfg.inner_steps,
-                    backup_device=torch.device("cpu"), pin_memory=False):
+        diloco = DiLoCo(manager, list(parts), joint, outer, sync_every=cfg.inner_steps,
+                        fragment_sync_delay=sync_delay, backup_device=torch.device("cpu"), pin_memory=False)
+        merge_in_quorum(diloco, model, cfg.merge, cfg.seed, replica)  # DARE, TIES, TSV, Iso-CTS: see there
+        with diloco:
             local = 0
             while manager.current_step() < rounds:
                 # torchft's step counts committed synchronisations: a failed one repeats its steps,
                 # a recovered group continues at its peers' step.
                 step = manager.current_step() * period + local
                 loss = _loss(model, batches.worker_batch(step, replica, cfg.workers), cfg.micro_batch_size)
-                inner.step(step)
+                joint.step(step)
                 local = (local + 1) % period
                 run.steps.append(step)
                 run.losses.append(loss)
