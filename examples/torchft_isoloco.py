@@ -34,8 +34,8 @@ import torch
 from isoloco.config import TrainConfig, parse_overrides, resolve
 from isoloco.errors import ConfigError
 from isoloco.data import load_token_data
-from isoloco.torchft.replica import (LOCALHOST, GroupRun, check_group_config, run_replica_group,
-                                     start_lighthouse)
+from isoloco.torchft.replica import (LOCALHOST, GroupRun, check_group_config, check_machine_groups,
+                                     run_replica_group, start_lighthouse)
 
 DEFAULTS = {"workers": 2, "steps": 60, "inner_steps": 20, "checkpoint_every": 0}
 
@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = local_groups(args.groups, cfg.workers)
         for replica in groups:
             check_group_config(cfg, replica, args.fragments, args.sync_delay)
+        check_machine_groups(cfg, groups)
         server, address = (None, args.lighthouse) if args.lighthouse else \
             start_lighthouse(min_replicas=cfg.workers, bind=args.lighthouse_bind)
     except ConfigError as error:

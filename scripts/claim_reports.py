@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# view -> [(sweep folder, run-name pattern, prefix for the link's name)]
+# view -> [(sweep folder or pattern of folders, run-name pattern, prefix for the link's name)]
 VIEWS: dict[str, list[tuple[str, str, str]]] = {
     "claim4": [("main", "dp-s*", ""), ("main", "diloco-R*-H30-s*", ""), ("main", "diloco_sgd-R*", ""),
                ("main", "isoc-R*", ""), ("main", "isoloco-R*-H30-s*", ""), ("isoc-lr3", "isoc-R*", "lr3-")],
@@ -55,6 +55,8 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
                   ("r1-plain", "diloco_sgd-*", "lr1-"), ("r1-dp-inner", "diloco-*", "dp-inner-")],
     "tune-small": [("small", "dp-s0", "lr0.016-"),
                    *[(f"tune/small-dp-lr{lr}", "dp-s0", f"lr{lr}-") for lr in ("0.008", "0.004", "0.002", "0.001")]],
+    # The outer-optimizer searches of scripts/strongest_baseline.sh: one sweep folder per setting.
+    "strongest-search": [("main", "dp-s0", ""), ("strongest/*", "*-R*-H30-s0", "{sweep}-")],
     "tune-muon-r8": [("main", "dp-s0", ""), ("main", "isoloco-R8-H30-s0", ""), ("tune/muon-r8", "*-R8-H30-s0", ""),
                      *[(f"tune/isoloco_muon-lr{lr}", "isoloco_muon-*", f"lr{lr}-") for lr in ("0.4", "0.7", "1.2")],
                      *[(f"tune/muloco-lr{lr}", "muloco-*", f"lr{lr}-") for lr in ("0.4", "1.0")]],
@@ -68,11 +70,12 @@ def link_view(root: Path, view: str) -> int:
         if old.is_symlink():
             old.unlink()
     count = 0
-    for sweep, pattern, prefix in VIEWS[view]:
-        for run in sorted((root / sweep).glob(pattern)):
-            if run.is_dir() and (run / "config.yaml").is_file():
-                (folder / f"{prefix}{run.name}").symlink_to(os.path.relpath(run, folder))
-                count += 1
+    for sweeps, pattern, prefix in VIEWS[view]:
+        for sweep in sorted(root.glob(sweeps)):  # a folder, or a pattern of folders ({sweep}: each one's name)
+            for run in sorted(sweep.glob(pattern)):
+                if run.is_dir() and (run / "config.yaml").is_file():
+                    (folder / f"{prefix.format(sweep=sweep.name)}{run.name}").symlink_to(os.path.relpath(run, folder))
+                    count += 1
     return count
 
 
@@ -98,7 +101,7 @@ REPORTS: dict[str, list[str]] = {
     "claim9": [f"isoloco {size}:diloco {size}" for size in ("inner.lr=0.016 model=tiny", "inner.lr=0.004 model=small")],
     "regime-r1": ["diloco_sgd outer.lr=1.0:dp", "diloco inner.grad_clip=0.0 inner.weight_decay=0.15:dp",
                   "diloco inner.grad_clip=1.0 inner.weight_decay=0.1:dp", "diloco_sgd outer.lr=1.6:dp"],
-    "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [], "tune-small": [],
+    "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [], "tune-small": [], "strongest-search": [],
 }
 
 

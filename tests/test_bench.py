@@ -72,15 +72,22 @@ def test_bytes_counted_on_two_processes_match_the_analytic_counts():
     counts = comm.bytes_per_round("tiny", (2, 4), methods=("diloco", "ties", "tsv", "isoloco", "isoloco_fast"))
     one_model = comm.model_bytes("tiny")
     assert one_model == 4 * sum(shape.numel() for _, shape in parameter_shapes("tiny"))
+    per_worker = {w: {method: c["per_worker"] for method, c in by_method.items()} for w, by_method in counts.items()}
+    wire = {w: {method: c["wire"] for method, c in by_method.items()} for w, by_method in counts.items()}
     for workers in (2, 4):
-        # mean and Iso-C: one all-reduce of every parameter; TIES: three.
-        assert counts[workers]["diloco"] == counts[workers]["isoloco"] == counts[workers]["isoloco_fast"] == one_model
-        assert counts[workers]["ties"] == 3 * one_model
-    # TSV: each worker's top-(rank/R) factors of each matrix, the mean of the rest.
-    expected_tsv = {workers: sum(4 * (min(shape) // workers) * (sum(shape) + 1) if len(shape) == 2 else 4 * shape.numel()
-                                 for _, shape in parameter_shapes("tiny"))
-                    for workers in (2, 4)}
-    assert {w: counts[w]["tsv"] for w in (2, 4)} == expected_tsv
+        # mean and Iso-C: one all-reduce of every parameter; TIES: three. A ring all-reduce over
+        # 2 processes puts 2·(2 − 1)/2 of its tensor on the wire: what it hands in.
+        for counted in (per_worker, wire):
+            assert counted[workers]["diloco"] == counted[workers]["isoloco"] == counted[workers]["isoloco_fast"] \
+                == one_model
+            assert counted[workers]["ties"] == 3 * one_model
+    # TSV: each worker's top-(rank/R) factors of each matrix, the mean of the rest; on the wire
+    # a process sends its R/2 workers' factors to the other process.
+    factors = {w: sum(4 * (min(shape) // w) * (sum(shape) + 1) for _, shape in parameter_shapes("tiny") if len(shape) == 2)
+               for w in (2, 4)}
+    rest = sum(4 * shape.numel() for _, shape in parameter_shapes("tiny") if len(shape) != 2)
+    assert {w: per_worker[w]["tsv"] for w in (2, 4)} == {w: factors[w] + rest for w in (2, 4)}
+    assert {w: wire[w]["tsv"] for w in (2, 4)} == {w: w // 2 * factors[w] + rest for w in (2, 4)}
 
 
 @pytest.mark.multiprocess

@@ -46,7 +46,10 @@ RULES = {
     "iso_c_update": {"method": "isoloco", "outer.iso_placement": "update"},
     "iso_cts": {"method": "isocts", "steps": 3, "eval_every": 3},
 }
-CASES = {**{name: {**o, "workers": 4} for name, o in RULES.items()}, "dp": {"method": "dp"}}
+#: The mean again behind an emulated slow link (1 Gbit/s, 150 ms): the same numbers, later.
+SLOW_LINK = {"method": "diloco", "dist.emulate_link": "1,150"}
+CASES = {**{name: {**o, "workers": 4} for name, o in {**RULES, "mean_slow_link": SLOW_LINK}.items()},
+         "dp": {"method": "dp"}}
 
 
 # -- running several processes ----------------------------------------------------------------
@@ -495,3 +498,22 @@ def test_launch_runs_torchrun_on_localhost_unless_told_otherwise():
         torchrun_argv(launch_args("--nproc", "8", "--nnodes", "2", "--", "train"))
     with pytest.raises(ValueError, match="after --"):
         torchrun_argv(launch_args("--nproc", "2"))
+
+
+def test_the_emulated_link_delays_each_cross_island_collective(two_process_runs):
+    """One all-reduce per round crosses islands; the emulation makes it last at least the
+    link's latency, and training waits for all of it (nothing overlaps the merge)."""
+    slow, plain = (counts(two_process_runs / case, "sync_s") for case in ("mean_slow_link", "mean"))
+    assert len(slow) == len(plain) == 2 and all(seconds >= 0.15 for seconds in slow)
+    assert counts(two_process_runs / "mean_slow_link", "sync_exposed_s") == slow
+
+
+def test_emulated_link_seconds_and_bad_values():
+    from isoloco.distributed import DistConfig
+
+    link = DistConfig(emulate_link="0.1,20").link()
+    assert link.seconds(0) == 0.02 and link.seconds(1.25e6) == pytest.approx(0.02 + 0.1)  # 10 Mbit at 0.1 Gbit/s
+    assert DistConfig().link() is None
+    for bad in ("fast", "0,20", "1", "1,-5", "1,2,3"):
+        with pytest.raises(ConfigError, match="dist.emulate_link"):
+            DistConfig(emulate_link=bad).validate()

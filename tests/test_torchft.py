@@ -485,3 +485,27 @@ def test_a_killed_group_recovers_through_torchft(tmp_path, method):
         assert torch.equal(value, healed[1][name]), name
     for name, value in restarted.params.items():
         assert torch.equal(value, survivor.params[name]) and torch.isfinite(value).all(), name
+
+
+def test_a_group_trains_where_its_config_says_and_talks_over_the_matching_backend():
+    from isoloco.torchft.replica import check_group_config, check_machine_groups, group_backend, group_device
+
+    cpu = resolve("quick", {"workers": 2, "device": "cpu"})
+    assert [group_device(cpu, r) for r in (0, 1)] == [torch.device("cpu")] * 2
+    assert group_backend(torch.device("cpu")) == "gloo" and group_backend(torch.device("cuda", 1)) == "nccl"
+    check_machine_groups(cpu, [0, 1])  # CPU groups share nothing NCCL would refuse
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device='cuda' is not available"):
+            check_group_config(resolve("quick", {"workers": 2, "device": "cuda"}), 0, 1)
+
+
+@pytest.mark.cuda
+def test_groups_on_one_machine_get_a_gpu_each_or_are_refused():
+    from isoloco.torchft.replica import check_machine_groups, group_device
+
+    cfg = resolve("quick", {"workers": 2 * torch.cuda.device_count() + 1})
+    gpus = torch.cuda.device_count()
+    assert [group_device(cfg, r) for r in range(gpus)] == [torch.device("cuda", r) for r in range(gpus)]
+    check_machine_groups(cfg, list(range(gpus)))
+    with pytest.raises(ConfigError, match="would share GPUs"):
+        check_machine_groups(cfg, list(range(gpus + 1)))

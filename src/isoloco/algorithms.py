@@ -13,6 +13,7 @@ the algorithm synchronises. What differs between the algorithms lives here:
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -127,6 +128,8 @@ class DiLoCo(Algorithm):
                                                          torch.zeros_like(p, device=storage) for p in self.params])
                         for w in dist.comm.local_worker_ids]
         self.dropped: list[int] = []  # the workers left out of the last round
+        #: Seconds of the last synchronisation, and of it that training waited for.
+        self.sync_s = self.sync_exposed_s = 0.0
 
     def rows(self, step: int, worker: Worker) -> torch.Tensor:
         return self.dist.shard_rows(self.batches.worker_batch(step, worker.index, self.cfg.workers))
@@ -148,6 +151,15 @@ class DiLoCo(Algorithm):
         worker.optimizer.move_state(self.storage)
 
     def synchronise(self, worker_losses: torch.Tensor, round: int) -> torch.Tensor:
+        began = time.perf_counter()
+        merged_losses = self._merge_round(worker_losses, round)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the clock must see the merge's kernels end
+        # Training waits for the whole synchronisation: nothing overlaps it yet.
+        self.sync_s = self.sync_exposed_s = time.perf_counter() - began
+        return merged_losses
+
+    def _merge_round(self, worker_losses: torch.Tensor, round: int) -> torch.Tensor:
         kept = list(range(len(self.workers)))
         if self.cfg.on_bad_worker == "drop":
             kept = [i for i in kept if self._healthy(self.workers[i], worker_losses[i])]
@@ -179,7 +191,8 @@ class DiLoCo(Algorithm):
 
     def round_metrics(self) -> dict[str, Any]:
         metrics: dict[str, Any] = {"bytes_per_worker": self.dist.comm.reset_bytes(),
-                                   **self.dist.link_bytes(self.dist.comm)}
+                                   **self.dist.link_bytes(self.dist.comm),
+                                   "sync_s": self.sync_s, "sync_exposed_s": self.sync_exposed_s}
         if self.dropped:
             metrics["dropped_workers"] = self.dropped
         return metrics

@@ -182,7 +182,7 @@ def list_keys(cls: type = TrainConfig, prefix: str = "") -> list[Key]:
 EXECUTION_KEYS = frozenset({"device", "offload_workers", "micro_batch", "eval_batch", "checkpoint_every",
                             "keep_checkpoints", "log.tensorboard", "log.wandb", "log.wandb_project",
                             "dist.gpus_per_worker", "dist.backend", "dist.timeout_s",
-                            "dist.peer_silence_s"})
+                            "dist.peer_silence_s", "dist.emulate_link"})
 
 #: `data=X` is short for `data.source=X`, the one data key people set most; `gpus_per_worker=G`
 #: for `dist.gpus_per_worker=G`, the layout key of the distributed engine.

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -60,11 +61,42 @@ class DistConfig:
               "stops naming it; heartbeats come from a thread of their own, so long inner steps and checkpoint "
               "writes do not count as silence")
 
+    emulate_link: str = option(
+        "", "for measurements on one machine: GBPS,MS makes every collective between islands take as long as "
+            "on a link of GBPS Gbit/s and MS ms latency (its wire bytes at that rate, plus the latency); an "
+            "emulation on top of loopback, not a network; empty: off")
+
     def validate(self) -> None:
         check_at_least("dist.gpus_per_worker", self.gpus_per_worker, 1)
         check_choices("dist", self)
         check_positive("dist.timeout_s", self.timeout_s)
         check_positive("dist.peer_silence_s", self.peer_silence_s)
+        self.link()
+
+    def link(self) -> EmulatedLink | None:
+        """The emulated slow link `emulate_link` describes, or None."""
+        if not self.emulate_link:
+            return None
+        try:
+            gbps, latency_ms = (float(part) for part in str(self.emulate_link).split(","))
+        except ValueError:
+            gbps = latency_ms = -1.0
+        if not (gbps > 0 and latency_ms >= 0):
+            raise ConfigError(f"dist.emulate_link={self.emulate_link!r} is not allowed: write GBPS,MS with a "
+                              f"bandwidth > 0 in Gbit/s and a latency >= 0 in ms, e.g. dist.emulate_link=0.1,20")
+        return EmulatedLink(gbps, latency_ms)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmulatedLink:
+    """A slow link between islands, emulated on one machine by waiting after each collective."""
+
+    gbps: float  # bandwidth, Gbit/s
+    latency_ms: float  # latency of one collective, ms
+
+    def seconds(self, wire: float) -> float:
+        """How long a collective that puts `wire` bytes on this link takes on it."""
+        return self.latency_ms / 1000 + wire * 8 / (self.gbps * 1e9)
 
 
 # ------------------------------------------------------------------------------- layout
@@ -212,7 +244,7 @@ class TorchCommunicator(Communicator):
     """
 
     def __init__(self, layout: ProcessLayout, peers: dist.ProcessGroup | None,
-                 island: dist.ProcessGroup | None) -> None:
+                 island: dist.ProcessGroup | None, link: EmulatedLink | None = None) -> None:
         """`peers`: this process's peer group (None with one island). `island`: its island's
         group, over whose fast link the cross-island traffic is split; None sends every
         tensor whole across islands from each process (G = 1, or how isoloco merged islands
@@ -221,6 +253,7 @@ class TorchCommunicator(Communicator):
         self._layout = layout
         self._peers = peers
         self._island = island
+        self._link = link  # an emulated slow link between islands, or None
         # Slice `_slot` of `_slices` is this process's share of the cross-island traffic.
         self._slices = layout.group_size if island is not None else 1
         self._slot = layout.island_rank if island is not None else 0
@@ -269,9 +302,12 @@ class TorchCommunicator(Communicator):
             # Equal slices, so the island's all-gather can join them; the padding is zeros.
             flat = torch.nn.functional.pad(flat, (0, width * self._slices - flat.numel()))
         part = flat[self._slot * width:(self._slot + 1) * width]
-        self.record("cross_island", nbytes(part), wire_bytes(kind, nbytes(part), self._layout.islands))
+        wire = wire_bytes(kind, nbytes(part), self._layout.islands)
+        self.record("cross_island", nbytes(part), wire)
         with collective(what):
             exchanged = exchange(part)
+            if self._link is not None:
+                time.sleep(self._link.seconds(wire))
             if self._slices == 1:
                 return exchanged
             self.record("in_island", nbytes(exchanged), wire_bytes("all_gather", nbytes(exchanged), self._slices))
@@ -445,7 +481,7 @@ class Distributed:
                 if layout.islands > 1:
                     self.peers, _ = dist.new_subgroups_by_enumeration(
                         [layout.peer_ranks(j) for j in range(layout.group_size)])
-            self.comm = TorchCommunicator(layout, self.peers, self._island)
+            self.comm = TorchCommunicator(layout, self.peers, self._island, cfg.dist.link())
         # Small collectives (metrics, flags, objects) run where the backend wants tensors.
         self._device = torch.device("cpu")
         if joined and dist.get_backend() == "nccl":

@@ -3,10 +3,10 @@
 The rules run on `TorchCommunicator` in gloo processes on this machine, merging exactly as
 a multi-node job does; the figures are its counters, reset per round. Two tables:
 
-* bytes per worker (`Communicator.bytes_sent_per_worker`), against the all-gather of every
-  full delta that the paper's released code does (R × 4 bytes per parameter): every
-  collective adds what one worker hands to it — the tensor of an all-reduce, its own block
-  of an all-gather. The same in every layout.
+* bytes per worker (`Communicator.bytes_sent_per_worker`: every collective adds what one
+  worker hands to it, the tensor of an all-reduce or its own block of an all-gather; the same
+  in every layout), and the bytes each process puts on the wire (`comm.wire_bytes`), against
+  the wire bytes of the all-gather of every full delta that the paper's released code makes.
 * bytes per process over each link (`Distributed.link_bytes`: cross-island and in-island,
   averaged over processes, `shard_map`'s broadcasts of orthogonalised matrices included),
   for islands of G = 1, 2, 4 processes, before and after the split of the cross-island
@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from isoloco.bench.table import Table, megabytes, ratio
 from isoloco.bench.workload import RULE_METHODS, method_sections, parameter_shapes, worker_deltas
-from isoloco.comm import Communicator
+from isoloco.comm import LINK_COUNTS, Communicator, wire_bytes
 from isoloco.config import resolve
 from isoloco.distributed import Distributed, TorchCommunicator, process_group
 from isoloco.launch import free_port
@@ -83,15 +83,18 @@ def _count_bytes(rank: int, world_size: int, port: int, preset: str, workers_lis
             deltas = worker_deltas(shapes, workers)
             counts[str(workers)] = {}
             for method in methods:
+                comm.reset_link_bytes()
                 _merge_once(comm, shapes, deltas, method)
-                counts[str(workers)][method] = comm.reset_bytes()
+                wire = dict(zip(LINK_COUNTS, comm.reset_link_bytes().tolist()))["wire_bytes_cross_island"]
+                counts[str(workers)][method] = {"per_worker": comm.reset_bytes(), "wire": wire}
     if rank == 0:
         Path(out).write_text(json.dumps(counts))
 
 
 def bytes_per_round(preset: str, workers: tuple[int, ...], methods: tuple[str, ...] = RULE_METHODS,
-                    processes: int = PROCESSES) -> dict[int, dict[str, int]]:
-    """Bytes per worker of one round, by R and method, counted on `processes` processes."""
+                    processes: int = PROCESSES) -> dict[int, dict[str, dict[str, float]]]:
+    """Bytes of one round by R and method, counted on `processes` processes: per worker
+    (`per_worker`) and put on the wire by one process (`wire`)."""
     counts = _spawn(_count_bytes, processes, preset, workers, methods)
     return {int(r): by_method for r, by_method in counts.items()}
 
@@ -136,17 +139,25 @@ def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
     setting = QUICK if quick else FULL
     for preset in setting["presets"]:
         counts, full = bytes_per_round(preset, setting["workers"]), model_bytes(preset)
-        table = Table(f"Communication on `{preset}`: bytes per worker per round (÷ the all-gather baseline)",
-                      ["method (rule)"] + [f"R={r}" for r in setting["workers"]])
+        table = Table(f"Communication on `{preset}`: bytes per round, per worker handed to collectives and per "
+                      "process on the wire (÷ the all-gather of full deltas)",
+                      ["method (rule)"] + [f"R={r}: per worker" for r in setting["workers"]]
+                      + [f"R={r}: wire per process" for r in setting["workers"]])
+        baseline = {r: wire_bytes("all_gather", r // PROCESSES * full, PROCESSES) for r in setting["workers"]}
         for method in RULE_METHODS:
-            table.add(f"{method} ({method_sections(method)[0].rule})",
-                      *(f"{megabytes(counts[r][method])} ({ratio(counts[r][method] / (r * full))})"
-                        for r in setting["workers"]))
-        table.add("all-gather of full deltas (baseline)", *(f"{megabytes(r * full)} (1×)" for r in setting["workers"]))
+            cells = [megabytes(counts[r][method]["per_worker"]) for r in setting["workers"]]
+            cells += [f"{megabytes(counts[r][method]['wire'])} ({ratio(counts[r][method]['wire'] / baseline[r])})"
+                      for r in setting["workers"]]
+            table.add(f"{method} ({method_sections(method)[0].rule})", *cells)
+        table.add("all-gather of full deltas", *(megabytes(r * full) for r in setting["workers"]),
+                  *(f"{megabytes(baseline[r])} (1×)" for r in setting["workers"]))
         table.notes.append(
-            f"Counted by `TorchCommunicator` on {PROCESSES} gloo processes (R/{PROCESSES} workers each); one full "
-            f"delta is {megabytes(full)} (float32). Ratios are to R full deltas, what the paper's released code "
-            "all-gathers to every worker for every rule.")
+            f"Counted by `TorchCommunicator` on {PROCESSES} gloo processes (R/{PROCESSES} workers each, each process "
+            f"its own island); one full delta is {megabytes(full)} (float32). Per worker: what a rule hands to its "
+            "collectives for one worker, the same in every layout. Wire per process: what the collectives' "
+            "algorithms put on the link for one process (a ring all-reduce 2(P−1)/P of its tensor, an all-gather "
+            "its block to each of the P − 1 others), compared with the same count for an all-gather of every "
+            "worker's full delta, which the paper's released code makes for every rule.")
         yield table
     yield link_table(link_bytes_per_round(LINK_PRESET, LINK_PROCESSES, ISLAND_SIZES))
 

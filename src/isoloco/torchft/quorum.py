@@ -45,11 +45,12 @@ class QuorumCommunicator(Communicator):
     id at its rank in the quorum, and the sum names every group in it.
     """
 
-    def __init__(self, manager: Any, replica: int) -> None:
+    def __init__(self, manager: Any, replica: int, device: torch.device = torch.device("cpu")) -> None:
         super().__init__()
         self.manager = manager
         self.replica = replica
-        ids = torch.zeros(manager.num_participants(), dtype=torch.int64)
+        # Where the group's process group takes tensors: NCCL reduces GPU tensors only.
+        ids = torch.zeros(manager.num_participants(), dtype=torch.int64, device=device)
         rank = manager.participating_rank()
         if rank is not None:  # a group torchft keeps out of the quorum (a spare) names no slot
             ids[rank] = replica
@@ -115,7 +116,8 @@ class _FragmentMerge:
         # round trained again keeps its number, and so its DARE masks.
         round = manager.current_step() // self.fragments
         try:
-            merger = Merger(self.merge, QuorumCommunicator(manager, self.replica), self.seed)
+            device = next(iter(grads.values())).device
+            merger = Merger(self.merge, QuorumCommunicator(manager, self.replica, device), self.seed)
             merged = merger.merge_all({self.names[name]: [delta] for name, delta in grads.items()}, round)
         except QuorumBroken:
             pass  # the round will not commit; what torchft's outer step would read is never used

@@ -35,13 +35,14 @@ from isoloco.inner import InnerOptimizer
 from isoloco.model import build_model
 from isoloco.torchft.optimizer import outer_optimizers
 from isoloco.torchft.quorum import merge_in_quorum
+from isoloco.trainer import resolve_device
 
 try:
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 except ImportError as error:  # the extra is optional: say how to get it, in one line
     raise ImportError(f"isoloco.torchft.replica needs torchft ({error}); install it with "
                       "pip install 'isoloco[torchft]'") from None
@@ -100,8 +101,33 @@ def check_group_config(cfg: TrainConfig, replica: int, fragments: int, sync_dela
     if not 0 <= sync_delay < period:
         raise ConfigError(f"sync_delay={sync_delay} is not allowed: a fragment's all-reduce must end before the next "
                           f"fragment's starts, so choose 0 to {period - 1} (inner_steps/fragments - 1)")
-    if cfg.device not in ("cpu", "auto"):
-        raise ConfigError(f"device={cfg.device} is not supported here: replica groups run on CPU with gloo")
+    group_device(cfg, replica)
+
+
+def group_device(cfg: TrainConfig, replica: int) -> torch.device:
+    """Where replica group `replica` trains: `cfg.device`, with ``auto`` meaning GPU
+    replica mod (GPUs on this machine) when CUDA is available, else the CPU. A device=cuda
+    run on a machine without a GPU is refused in one line."""
+    device = resolve_device(cfg.device)
+    if cfg.device == "auto" and device.type == "cuda":
+        device = torch.device("cuda", replica % torch.cuda.device_count())
+    return device
+
+
+def check_machine_groups(cfg: TrainConfig, groups: list[int]) -> None:
+    """Refuse, in one line, replica groups on one machine that would share a GPU: NCCL puts
+    each process of a communicator on a GPU of its own."""
+    devices = [group_device(cfg, replica) for replica in groups]
+    gpus = [device for device in devices if device.type == "cuda"]
+    if len(set(gpus)) < len(gpus):
+        raise ConfigError(f"replica groups {groups} would share GPUs on this machine ({torch.cuda.device_count()} "
+                          f"visible), which NCCL cannot do: run at most one group per GPU here (--groups), or "
+                          f"train on the CPU (device=cpu)")
+
+
+def group_backend(device: torch.device) -> str:
+    """The collectives a replica group makes: NCCL for a group on a GPU, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 class JointInnerStep(torch.optim.Optimizer):
@@ -188,9 +214,10 @@ def run_replica_group(
     that step triggered). Returns when torchft has committed every round.
     """
     check_group_config(cfg, replica, fragments, sync_delay)
+    device = group_device(cfg, replica)
     data = load_token_data(cfg.data, progress=False)
     batches = Batches(data.train, cfg.seq_len, cfg.global_batch, cfg.seed)
-    model = build_model(cfg.model, data.vocab_size, cfg.seq_len, cfg.seed)
+    model = build_model(cfg.model, data.vocab_size, cfg.seq_len, cfg.seed).to(device)
     inner = InnerOptimizer(list(model.named_parameters()), cfg.inner, cfg.steps)
     joint = JointInnerStep(inner)
     names = {param: name for name, param in model.named_parameters()}
@@ -207,7 +234,8 @@ def run_replica_group(
     # Each group is one process, so its own store (the group's rendezvous) lives here.
     store = TCPStore(host, store_port, is_master=True, wait_for_workers=False)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
+        pg=(ProcessGroupNCCL if group_backend(device) == "nccl" else ProcessGroupGloo)(timeout=timeout),
+        load_state_dict=load_state_dict, state_dict=state_dict,
         min_replica_size=1, use_async_quorum=False,  # DiLoCo needs the quorum before each sync
         replica_id=f"isoloco_{replica}", store_addr=host, store_port=store.port, rank=0, world_size=1,
         lighthouse_addr=lighthouse, hostname=host, init_sync=init_sync,
@@ -218,7 +246,8 @@ def run_replica_group(
     run = GroupRun(replica, [], [], 0, {})
     try:
         diloco = DiLoCo(manager, list(parts), joint, outer, sync_every=cfg.inner_steps,
-                        fragment_sync_delay=sync_delay, backup_device=torch.device("cpu"), pin_memory=False)
+                        fragment_sync_delay=sync_delay, backup_device=torch.device("cpu"),
+                        pin_memory=device.type == "cuda")  # θ's host copy, pinned for copies from a GPU
         merge_in_quorum(diloco, model, cfg.merge, cfg.seed, replica)  # DARE, TIES, TSV, Iso-CTS: see there
         with diloco:
             local = 0
@@ -226,7 +255,8 @@ def run_replica_group(
                 # torchft's step counts committed synchronisations: a failed one repeats its steps,
                 # a recovered group continues at its peers' step.
                 step = manager.current_step() * period + local
-                loss = _loss(model, batches.worker_batch(step, replica, cfg.workers), cfg.micro_batch_size)
+                rows = batches.worker_batch(step, replica, cfg.workers).to(device)
+                loss = _loss(model, rows, cfg.micro_batch_size)
                 joint.step(step)
                 local = (local + 1) % period
                 run.steps.append(step)
