@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from isoloco import checkpoint as ckpt
 from isoloco import rules
+from isoloco.quantize import wire_nbytes
 from isoloco.bench import comm as bench_comm
 from isoloco.bench.workload import parameter_shapes
 from isoloco.config import DEFAULT_PRESET, TrainConfig, parse_overrides, resolve
@@ -45,6 +46,7 @@ RULES = {
     "iso_c": {"method": "isoloco"},
     "iso_c_update": {"method": "isoloco", "outer.iso_placement": "update"},
     "iso_cts": {"method": "isocts", "steps": 3, "eval_every": 3},
+    "mean_int8_ef": {"method": "diloco", "merge.quantize": "int8", "merge.error_feedback": True},
 }
 #: The mean again behind an emulated slow link (1 Gbit/s, 150 ms): the same numbers, later.
 SLOW_LINK = {"method": "diloco", "dist.emulate_link": "1,150"}
@@ -242,7 +244,10 @@ def two_worker_runs(tmp_path_factory) -> dict[str, Trainer]:
 @pytest.mark.parametrize("case", sorted(ISLAND_CASES))
 def test_two_islands_of_two_processes_train_what_two_simulated_workers_train(island_runs, two_worker_runs, case):
     reference = two_worker_runs[case]
-    assert_run_close(island_runs / case, reference, 1e-5)
+    # The compressed merge is the same in every layout (bit for bit: tests/test_merge.py); here
+    # the island's gradient average rounds differently from one process, and the
+    # int8 grid turns an entry that rounding moves across a code boundary into a whole step.
+    assert_run_close(island_runs / case, reference, 1e-4 if case == "mean_int8_ef" else 1e-5)
     state = ckpt.verify(ckpt.latest_checkpoint(island_runs / case / "checkpoints"))
     assert state["layout"] == {"workers": 2, "processes": 4, "processes_per_worker": 2}
     assert sorted(state["checksums"]) == ["global.safetensors", "outer.safetensors", "workers-0.safetensors",
@@ -261,6 +266,11 @@ def cross_island_floats(cfg: TrainConfig, shapes: list[torch.Size], workers_per_
     factors (TSV: k triplets each, the other tensors' sum beside them; Iso-CTS: the mean,
     then s triplets each)."""
     rule = cfg.merge.rule
+    if cfg.merge.quantize != "none":  # each worker's deltas packed, in bytes: counted as floats of 4
+        quantization = cfg.merge.quantization
+        packed = sum(-(-wire_nbytes(shape.numel(), quantization, quantization.group_size(shape)) // 4) * 4
+                     for shape in shapes)
+        return [workers_per_island * packed / 4]
 
     def factors(shape: torch.Size, per_worker: int) -> int:
         return workers_per_island * per_worker * (sum(shape) + 1)
@@ -286,7 +296,8 @@ def test_each_process_sends_its_share_of_one_island_copy_across_islands(island_r
     island's matrices once (1/G per process)."""
     cfg = two_worker_runs[case].cfg
     shapes = [p.shape for p in two_worker_runs[case].global_params]
-    cross = sum(sliced(floats, 2) for floats in cross_island_floats(cfg, shapes, workers_per_island=1))
+    cross = sum(sliced(floats, 2) if cfg.merge.quantize == "none" else -(-int(4 * floats) // 2)
+                for floats in cross_island_floats(cfg, shapes, workers_per_island=1))
     rounds = cfg.steps // cfg.inner_steps
     assert link_bytes(island_runs / case, "cross_island") == [cross] * rounds
     # Two islands: a ring all-reduce puts 2·(2 − 1)/2 of a slice on the wire, an all-gather
@@ -296,6 +307,12 @@ def test_each_process_sends_its_share_of_one_island_copy_across_islands(island_r
         assert cross == 4 * sum(shape.numel() for shape in shapes) // 2
     if case in ("mean", "dare", "ties"):
         assert link_bytes(island_runs / case, "in_island") == [cross] * rounds
+    if case == "mean_int8_ef":  # int8 codes and a scale per 256 entries against float32
+        # An all-gather, not a sum: each process's slice of both islands' packed bytes comes back.
+        assert link_bytes(island_runs / case, "in_island") == [2 * cross] * rounds
+        float32 = link_bytes(island_runs / "mean", "wire_bytes_cross_island")
+        assert all(ours <= 0.3 * theirs for ours, theirs in zip(link_bytes(island_runs / case, "wire_bytes_cross_island"),
+                                                               float32))
     if case.startswith("iso_c_") or case == "iso_c":
         matrices = sum(4 * shape.numel() for shape in shapes if len(shape) == 2)
         assert link_bytes(island_runs / case, "in_island") == [cross + matrices / 2] * rounds

@@ -160,10 +160,10 @@ def test_dropped_round_equals_merging_the_other_workers(tmp_path):
     outer = trainer.algorithm.outer
     original_step = outer.step
 
-    def step(local_deltas, round, fetch=None, workers=None):
+    def step(local_deltas, round, fetch=None, workers=None, residuals=None):
         captured["deltas"] = {k: [d.clone() for d in v] for k, v in local_deltas.items()}
         captured["ids"] = workers
-        return original_step(local_deltas, round, fetch, workers)
+        return original_step(local_deltas, round, fetch, workers, residuals)
 
     outer.step = step
     before = [p.detach().clone() for p in trainer.global_params]

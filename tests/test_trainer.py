@@ -99,13 +99,17 @@ def isoloco(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.multiprocess
-def test_killed_run_resumes_to_identical_numbers(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["merge.quantize=int4", "merge.error_feedback=true"]],
+                         ids=["plain", "int4-error-feedback"])
+def test_killed_run_resumes_to_identical_numbers(tmp_path, extra):
+    """Also with error feedback, whose residuals the workers carry from round to round."""
+    run_args = [*CLI_RUN, *extra]
     reference = tmp_path / "reference"
-    done = isoloco("train", *CLI_RUN, "--out", str(reference), "--quiet")
+    done = isoloco("train", *run_args, "--out", str(reference), "--quiet")
     assert done.returncode == 0, done.stderr
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "isoloco", "train", *CLI_RUN, "--out", str(killed), "--quiet"],
+    proc = subprocess.Popen([sys.executable, "-m", "isoloco", "train", *run_args, "--out", str(killed), "--quiet"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=ONE_THREAD_ENV)
     deadline = time.time() + 120

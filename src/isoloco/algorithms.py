@@ -16,6 +16,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,6 +42,9 @@ class Worker:
     index: int  # global worker id, 0..R-1
     optimizer: InnerOptimizer
     delta: list[torch.Tensor]  # Δ = θ − θ_r after the worker's turn (storage device); dp: empty
+    #: With `merge.error_feedback`: what compressing its deltas has lost so far, per parameter
+    #: (storage device; checkpointed with the worker); otherwise empty.
+    residual: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 class Algorithm(ABC):
@@ -124,12 +128,17 @@ class DiLoCo(Algorithm):
         # Offloaded from a GPU, the workers' state lives in pinned host memory and the next
         # worker's moments are copied to the GPU while the current one trains (`begin_turn`).
         self.overlaps = storage.type == "cpu" and device.type == "cuda"
-        self.workers = [Worker(w, self.new_optimizer(), [pinned_zeros_like(p, self) if self.overlaps else
-                                                         torch.zeros_like(p, device=storage) for p in self.params])
+        self.workers = [Worker(w, self.new_optimizer(), self._buffers(),
+                               self._buffers() if cfg.merge.error_feedback else [])
                         for w in dist.comm.local_worker_ids]
         self.dropped: list[int] = []  # the workers left out of the last round
         #: Seconds of the last synchronisation, and of it that training waited for.
         self.sync_s = self.sync_exposed_s = 0.0
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """Zeros shaped like the parameters, where a worker keeps its state between turns."""
+        return [pinned_zeros_like(p, self) if self.overlaps else torch.zeros_like(p, device=self.storage)
+                for p in self.params]
 
     def rows(self, step: int, worker: Worker) -> torch.Tensor:
         return self.dist.shard_rows(self.batches.worker_batch(step, worker.index, self.cfg.workers))
@@ -173,11 +182,15 @@ class DiLoCo(Algorithm):
                            "others and restarting them from the global model", round, self.dropped)
         # Stored deltas (host memory when offloaded) reach the device a parameter at a time.
         deltas = {name: [w.delta[i] for w in merged] for i, name in enumerate(self.names)}
+        residuals = ({name: [w.residual[i] for w in merged] for i, name in enumerate(self.names)}
+                     if self.cfg.merge.error_feedback else None)
         self.outer.step(deltas, round=round, fetch=self._fetch,
-                        workers=[w.index for w in merged] if self.dropped else None)
+                        workers=[w.index for w in merged] if self.dropped else None, residuals=residuals)
         for worker in self.workers:
             if worker.index in self.dropped:  # its optimizer state is as poisoned as its weights
                 worker.optimizer = self.new_optimizer()
+                for residual in worker.residual:
+                    residual.zero_()
         return worker_losses[kept].mean(dim=0)
 
     def _fetch(self, delta: torch.Tensor) -> torch.Tensor:

@@ -33,9 +33,15 @@ from isoloco.comm import Communicator, LocalCommunicator, nbytes
 from isoloco.configbase import check_at_least, check_choices, check_positive, check_range, option
 from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.ortho import FACTOR_METHODS, NS_DTYPES, POLAR_METHODS, SCALE_METHODS, FactorSettings, IsoSettings
+from isoloco.quantize import (FORMATS, SCALE_GROUPS, Quantization, Wire, compress_with_feedback, dequantize,
+                              quantize, wire_nbytes)
 from isoloco.rules import RULES, Knobs, Phase, WorkerSlot, mask_key, mean_phases
 
 Fetch = Callable[[torch.Tensor], torch.Tensor]
+
+#: The rules whose one collective sums the workers' pseudo-gradients themselves, which can
+#: therefore travel compressed (`merge.quantize`).
+COMPRESSIBLE_RULES = ("mean", "iso_c")
 
 
 # ------------------------------------------------------------------------- configuration
@@ -69,6 +75,15 @@ class MergeConfig:
         "the rank, exact elsewhere)", choices=FACTOR_METHODS)
     oversample: int = option(FactorSettings.oversample, "factors=randomized: extra columns beyond the k wanted")
     power_iters: int = option(FactorSettings.power_iters, "factors=randomized: subspace iterations")
+    quantize: str = option(
+        "none", "what crosses the slow link: each worker's pseudo-gradient as float32 (none), or compressed to "
+                "bfloat16, int8 or int4 codes with absmax scales (mean and Iso-C rules only)", choices=FORMATS)
+    quantize_scales: str = option("block", "merge.quantize=int8/int4: one scale per block of entries or per "
+                                           "matrix row", choices=SCALE_GROUPS)
+    quantize_block: int = option(256, "merge.quantize_scales=block: entries per scale (4 bytes each)")
+    error_feedback: bool = option(
+        False, "with merge.quantize: each worker keeps what compression lost and adds it to its next pseudo-gradient "
+               "(checkpointed with the worker)")
     bucket_mb: float = option(
         64.0, "parameters are merged in buckets of about this many MiB: one collective per bucket and phase, "
               "one finiteness check per bucket")
@@ -87,6 +102,15 @@ class MergeConfig:
         check_at_least("merge.oversample", self.oversample, 0)
         check_at_least("merge.power_iters", self.power_iters, 0)
         check_positive("merge.bucket_mb", self.bucket_mb)
+        check_at_least("merge.quantize_block", self.quantize_block, 1)
+        if self.error_feedback and self.quantize == "none":
+            raise ConfigError("merge.error_feedback=true is not allowed with merge.quantize=none: there is no "
+                              "compression error to feed back; set merge.quantize=bf16, int8 or int4")
+        if self.quantize != "none" and self.rule not in COMPRESSIBLE_RULES:
+            raise ConfigError(
+                f"merge.quantize={self.quantize} is not allowed with merge.rule={self.rule}: only the rules whose one "
+                f"collective is the sum of the workers' pseudo-gradients ({', '.join(COMPRESSIBLE_RULES)}) send them "
+                f"compressed; use merge.quantize=none")
         if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
             raise ConfigError(
                 f"merge.exclude={self.exclude!r} is not allowed: it must be a list of name patterns, "
@@ -97,6 +121,11 @@ class MergeConfig:
     def iso(self) -> IsoSettings:
         """The Iso-C settings these keys describe."""
         return IsoSettings(self.ortho, self.scale, self.ns_steps, self.ns_dtype)
+
+    @property
+    def quantization(self) -> Quantization:
+        """How the workers' pseudo-gradients cross the slow link."""
+        return Quantization(self.quantize, self.quantize_scales, self.quantize_block)
 
     @property
     def knobs(self) -> Knobs:
@@ -160,6 +189,7 @@ class _Job:
 
     name: str
     deltas: Sequence[torch.Tensor]  # stored, one per local worker
+    residuals: Sequence[torch.Tensor] | None  # error feedback: stored, one per local worker (updated)
     phases: list[Phase]
     finalize: Callable[[torch.Tensor], torch.Tensor] | None
     state: Any = None
@@ -185,15 +215,22 @@ class Merger:
         self._rule = RULES[cfg.rule]
 
     def merge_all(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None = None,
-                  fetch: Fetch | None = None) -> dict[str, torch.Tensor]:
+                  fetch: Fetch | None = None,
+                  residuals: Mapping[str, Sequence[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
         """Merge every parameter (`local_deltas[name]`: one delta per local worker, in order)
         across all R workers, bucket by bucket in the mapping's order (the same on every
         process), then the finalize steps, batched and shared out among processes.
 
         `fetch` brings a stored delta to where the merge computes; it is called for one delta
         at a time, once per phase, and the fetched copy is dropped before the next. `round`
-        names the synchronisation in errors and keys DARE's masks (None counts as 0)."""
-        return self._merge(local_deltas, round, fetch, finalize=True)
+        names the synchronisation in errors and keys DARE's masks (None counts as 0).
+
+        With `merge.quantize`, each worker's delta crosses the link compressed; `residuals`
+        (with `merge.error_feedback`: one per parameter and local worker, like the deltas)
+        hold what earlier compressions lost and are updated in place."""
+        if self.cfg.error_feedback and residuals is None:
+            raise ValueError("merge.error_feedback needs the workers' residuals: pass residuals=")
+        return self._merge(local_deltas, round, fetch, finalize=True, residuals=residuals)
 
     def merge(self, name: str, local_deltas: Sequence[torch.Tensor], round: int | None = None) -> torch.Tensor:
         """Merge one parameter's local deltas (see `merge_all`)."""
@@ -211,8 +248,8 @@ class Merger:
     # --------------------------------------------------------------------------- internals
 
     def _merge(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None, fetch: Fetch | None,
-               finalize: bool) -> dict[str, torch.Tensor]:
-        jobs = self._jobs(local_deltas)
+               finalize: bool, residuals: Mapping[str, Sequence[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+        jobs = self._jobs(local_deltas, residuals if self.cfg.error_feedback else None)
         merged: dict[str, torch.Tensor] = {}
         limit = int(self.cfg.bucket_mb * 2**20)
         for bucket in buckets([(nbytes(job.deltas[0]), job.deltas[0].dtype) for job in jobs], limit):
@@ -237,7 +274,8 @@ class Merger:
         knobs, finalize = self._knobs, self._rule.finalize
         return lambda merged: finalize(merged, knobs)
 
-    def _jobs(self, local_deltas: Mapping[str, Sequence[torch.Tensor]]) -> list[_Job]:
+    def _jobs(self, local_deltas: Mapping[str, Sequence[torch.Tensor]],
+              residuals: Mapping[str, Sequence[torch.Tensor]] | None = None) -> list[_Job]:
         workers = self.comm.local_worker_ids
         jobs = []
         for name, deltas in local_deltas.items():
@@ -247,12 +285,15 @@ class Merger:
                     f"workers; pass one delta per local worker, in order"
                 )
             rule = self._rule.phases if self.cfg.applies(name, deltas[0]) else mean_phases
-            jobs.append(_Job(name, deltas, rule(deltas[0].shape, self.comm.num_workers, self._knobs),
+            jobs.append(_Job(name, deltas, residuals[name] if residuals is not None else None,
+                             rule(deltas[0].shape, self.comm.num_workers, self._knobs),
                              self._finalize_of(name, deltas[0]), memos=[{} for _ in workers]))
         return jobs
 
     def _run_phase(self, jobs: list[_Job], phase: int, collective: str, round: int, fetch: Fetch | None) -> None:
         """Every local worker's contribution to phase `phase` of `jobs`, one collective for all."""
+        if collective == "sum" and self.cfg.quantize != "none":
+            return self._run_compressed_sum(jobs, phase, fetch)
         sizes = [math.prod(job.phases[phase].shape) for job in jobs]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         workers = self.comm.local_worker_ids
@@ -282,6 +323,41 @@ class Merger:
                 stacked = torch.stack([flat[offset:offset + size].view(shape) for flat in gathered])
                 job.state = job.phases[phase].combine(stacked, job.state)
 
+    def _run_compressed_sum(self, jobs: list[_Job], phase: int, fetch: Fetch | None) -> None:
+        """A sum of the workers' deltas that crosses the link compressed: each local worker's
+        deltas (plus its residual, with error feedback) are quantised and packed, one all-gather
+        carries every worker's packed bytes, and every process dequantises them and adds them
+        up in worker order, so each layout computes the same sum as one process would."""
+        quantization = self.cfg.quantization
+        shapes = [job.deltas[0].shape for job in jobs]
+        wires = [wire_nbytes(math.prod(shape), quantization, quantization.group_size(shape)) for shape in shapes]
+        sizes = [_aligned(size) for size in wires]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        packed = []
+        for index in range(len(self.comm.local_worker_ids)):
+            parts = []
+            for job, size in zip(jobs, sizes):
+                delta = fetch(job.deltas[index]) if fetch else job.deltas[index]
+                if job.residuals is None:
+                    wire = quantize(delta, quantization)
+                else:
+                    stored = job.residuals[index]
+                    residual = fetch(stored) if fetch else stored
+                    wire, residual = compress_with_feedback(delta, residual, quantization)
+                    if residual is not stored:
+                        stored.copy_(residual)
+                raw = wire.as_bytes()
+                parts.append(torch.nn.functional.pad(raw, (0, size - raw.numel())))
+                del delta, wire
+            packed.append(torch.cat(parts))
+        gathered = self.comm.gather(packed)
+        for job, offset, size, shape in zip(jobs, offsets, wires, shapes):
+            total = None
+            for flat in gathered:  # in global worker order
+                sent = dequantize(Wire.from_bytes(flat[offset:offset + size], quantization, shape))
+                total = sent if total is None else total.add_(sent)
+            job.state = job.phases[phase].combine(total.to(job.deltas[0].dtype), job.state)
+
     def _finalize(self, jobs: list[_Job], merged: dict[str, torch.Tensor], limit: int) -> None:
         """Run the pure finalize steps on stacks of same-shape matrices of at most `limit`
         bytes (at least one matrix), which `shard_map` shares out among processes."""
@@ -301,6 +377,11 @@ class Merger:
                   for stack in stacks]
         for stack, result in zip(stacks, self.comm.shard_map(finalize, inputs)):
             merged.update(zip((job.name for job in stack), [result] if len(stack) == 1 else result.unbind(0)))
+
+
+def _aligned(size: int) -> int:
+    """`size` rounded up to a multiple of 4 bytes: packed wires stay aligned for their float32 scales."""
+    return -(-size // 4) * 4
 
 
 # --------------------------------------------------- peft-style functions, one per rule

@@ -215,13 +215,15 @@ class OuterStep:
 
     def step(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int,
              fetch: Callable[[torch.Tensor], torch.Tensor] | None = None,
-             workers: list[int] | None = None) -> None:
+             workers: list[int] | None = None,
+             residuals: Mapping[str, Sequence[torch.Tensor]] | None = None) -> None:
         """One outer step. `local_deltas[name]` holds θ − θ_r for each local worker r, in the
         communicator's order; the deltas are only read, so the caller may reuse their storage
         afterwards. `fetch` brings stored deltas to the compute device, one parameter at a time
         (see `Merger.merge_all`). `workers`: the global ids of the workers whose deltas these
         are, when not all of this process's (a round that dropped a diverged worker; in one
-        process only), so the merge averages over them alone."""
+        process only), so the merge averages over them alone. `residuals`: the workers'
+        error-feedback residuals, like the deltas (see `Merger.merge_all`)."""
         if set(local_deltas) != set(self._params):
             missing = sorted(set(self._params) - set(local_deltas))
             unexpected = sorted(set(local_deltas) - set(self._params))
@@ -229,7 +231,8 @@ class OuterStep:
                 f"local_deltas must hold one entry per parameter; missing {missing}, unexpected {unexpected}"
             )
         merger = self._merger_of(workers)
-        merged_all = merger.merge_all({name: local_deltas[name] for name, _ in self.named_params}, round, fetch)
+        merged_all = merger.merge_all({name: local_deltas[name] for name, _ in self.named_params}, round, fetch,
+                                      residuals)
         if merger is not self.merger:  # the round's bytes are counted with the run's
             self.comm.bytes_sent_per_worker += merger.comm.reset_bytes()
         for name, param in self.named_params:

@@ -82,6 +82,11 @@ def check_resume_layout(checkpoint: Path, state: dict[str, Any], layout: dict[st
             "same gpus_per_worker (isoloco launch --nproc N -- train --resume DIR starts N processes)")
 
 
+
+def residual_keys(worker: int, names: list[str]) -> list[str]:
+    """The workers file's keys of worker `worker`'s error-feedback residuals, one per parameter."""
+    return [f"w{worker}.residual.{name}" for name in names]
+
 class Trainer:
 
     def __init__(self, cfg: TrainConfig, out_dir: Path, dist: Distributed | None = None, progress: bool = True):
@@ -204,6 +209,7 @@ class Trainer:
                     tensors, worker_scalars = ckpt.flatten_optimizer_state(state, f"w{worker.index}.opt{j}")
                     worker_tensors.update(tensors)
                     scalars.update(worker_scalars)
+                worker_tensors.update(zip(residual_keys(worker.index, names), worker.residual))
             files[self._workers_file()] = worker_tensors
         state = {
             "elapsed_s": self.elapsed,
@@ -242,6 +248,13 @@ class Trainer:
         with ckpt.open_tensors(path, self._workers_file()) as saved:
             for worker in self.workers:
                 worker.optimizer.load_state(saved, state["scalars"], f"w{worker.index}", self.storage)
+                for key, residual in zip(residual_keys(worker.index, [n for n, _ in self.named_params]),
+                                         worker.residual):
+                    if key not in saved:
+                        raise CheckpointError(f"checkpoint {path} holds no error-feedback residuals ({key}): it was "
+                                              "written without merge.error_feedback; resume with the settings it "
+                                              "was written with")
+                    residual.copy_(saved[key])
         with ExitStack() as files:
             self.algorithm.load_checkpoint_files(
                 lambda file: files.enter_context(ckpt.open_tensors(path, file)))
