@@ -10,6 +10,9 @@ The rules themselves are pure phases (`isoloco.rules`); this module runs them ag
 * **Buckets.** Parameters are packed, in order, into buckets of about `merge.bucket_mb`;
   each phase of a bucket is one collective for all its parameters (a sum buffer or each
   worker's factors, laid end to end), and one finiteness check covers the whole bucket.
+* **Compression.** With `merge.quantize`, a sum of the workers' deltas (the mean and Iso-C)
+  crosses the link as each worker's quantised delta (plus its error-feedback residual), and
+  every process dequantises and adds them in worker order (`isoloco.quantize`).
 * **Finalize, batched and shared.** A rule's pure last step (Iso-C's orthogonalisation)
   runs after every collective, on stacks of same-shape matrices, shared out among processes
   by `Communicator.shard_map`. The stacks do not depend on the process layout, so every
@@ -17,7 +20,7 @@ The rules themselves are pure phases (`isoloco.rules`); this module runs them ag
 
 `Merger` is what a training loop uses; the peft-style functions (`mean`, `ties`, `dare`,
 `tsv`, `iso_c`, `iso_cts`) merge a list of R tensors in this process through the same path.
-Nothing here writes into the deltas.
+Nothing here writes into the deltas; only the error-feedback residuals are updated.
 """
 
 from __future__ import annotations
