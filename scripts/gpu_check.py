@@ -35,13 +35,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -49,12 +47,11 @@ from typing import Callable
 import torch
 
 from isoloco import checkpoint as ckpt
-from isoloco.bench.memory import WORKER_BYTES_PER_PARAM, _peak, _start_span, fresh_process_peaks
+from isoloco.bench import scale
+from isoloco.bench.memory import WORKER_BYTES_PER_PARAM, fresh_process_peaks, in_fresh_processes
 from isoloco.bench.ortho import benchmark_shape
-from isoloco.bench.workload import matrix_shapes, pseudo_gradient
-from isoloco.comm import LocalCommunicator
+from isoloco.bench.workload import matrix_shapes
 from isoloco.config import resolve
-from isoloco.merge import MergeConfig, Merger
 from isoloco.methods import METHODS
 from isoloco.ortho import IsoSettings, iso_correct
 from isoloco.rundir import CHECKPOINT_DIR, METRICS_FILE
@@ -223,34 +220,9 @@ def model_round(setting: Setting, workdir: Path, peak_tflops: float) -> Row:
                mfu >= floor if floor else math.isfinite(mfu) and mfu > 0)
 
 
-def merge_peak(rows: int, cols: int, device_name: str) -> float:
-    """The peak memory a TIES merge of K deltas of one rows×cols parameter adds, in deltas.
-
-    The deltas are kept in host memory (pinned on a GPU host, as offloaded workers keep them;
-    four distinct ones, repeated) and fetched to the device one at a time. Meant for a fresh
-    process: on the CPU the figure is the resident high-water mark, which memory freed by
-    earlier work would hide; a merge of small deltas first loads the code the merge runs.
-    """
-    device = torch.device(device_name)
-    merger = Merger(MergeConfig(rule="ties"), LocalCommunicator(MERGE_WORKERS), seed=0)
-
-    def merge(deltas: list[torch.Tensor]) -> None:
-        merger.merge_all({"w": deltas}, round=0, fetch=lambda d: d.to(device, non_blocking=True))
-
-    merge([torch.ones(8, 8)] * MERGE_WORKERS)
-    distinct = [pseudo_gradient(rows, cols, seed=k) for k in range(4)]
-    if device.type == "cuda":
-        distinct = [d.pin_memory() for d in distinct]
-    before = _start_span(device)
-    merge([distinct[k % len(distinct)] for k in range(MERGE_WORKERS)])
-    return (_peak(device) - before) / (distinct[0].numel() * distinct[0].element_size())
-
-
 def merge_memory(setting: Setting) -> Row:
     shapes = setting.merge_shapes
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                             max_tasks_per_child=1) as pool:
-        peaks = [pool.submit(merge_peak, *shape, setting.device).result() for shape in shapes]
+    peaks = scale.fresh_process_peaks([("ties", shape, MERGE_WORKERS, setting.device) for shape in shapes])
     worst = max(range(len(shapes)), key=peaks.__getitem__)
     return Row(f"TIES merge of K = {MERGE_WORKERS} offloaded deltas on {setting.device}, each shape in a "
                "fresh process", f"peak {peaks[worst]:.1f} deltas ({shapes[worst][0]}×{shapes[worst][1]})",
@@ -264,10 +236,7 @@ def _deterministic_run(device: str, out: Path) -> None:
 def deterministic(setting: Setting, workdir: Path) -> Row:
     # Fresh processes: deterministic kernels are switched on process-wide, and a rerun is one.
     runs = [workdir / f"deterministic-{i}" for i in range(2)]
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                             max_tasks_per_child=1) as pool:
-        for out in runs:
-            pool.submit(_deterministic_run, setting.device, out).result()
+    in_fresh_processes([(_deterministic_run, (setting.device, out)) for out in runs])
     first, second = (ckpt.load_tensors(ckpt.latest_checkpoint(out / CHECKPOINT_DIR), "global") for out in runs)
     differ = sorted(name for name in first if not torch.equal(first[name], second[name]))
     return Row(f"deterministic=true on {setting.device}, two runs of the tiny model",

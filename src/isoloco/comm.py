@@ -17,7 +17,7 @@ in one process.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -119,6 +119,22 @@ def wire_bytes(kind: str, size: int, processes: int) -> float:
     if kind in ("all_gather", "broadcast"):
         return (processes - 1) * size
     raise ValueError(f"unknown collective {kind!r}: expected all_reduce, all_gather or broadcast")
+
+
+def buckets(sizes: Sequence[tuple[int, torch.dtype]], limit: int) -> list[list[int]]:
+    """Indices of consecutive items (byte size, dtype) grouped into runs of one dtype and at
+    most `limit` bytes, for one collective each; an item of `limit` bytes or more is a bucket
+    of its own."""
+    groups: list[list[int]] = []
+    used = 0
+    for index, (size, dtype) in enumerate(sizes):
+        if groups and used + size <= limit and sizes[groups[-1][0]][1] == dtype:
+            groups[-1].append(index)
+            used += size
+        else:
+            groups.append([index])
+            used = size
+    return groups
 
 
 def nbytes(tensor: torch.Tensor) -> int:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from isoloco.comm import LINK_COUNTS, Communicator, LocalCommunicator, nbytes, wire_bytes
+from isoloco.comm import LINK_COUNTS, Communicator, LocalCommunicator, buckets, nbytes, wire_bytes
 from isoloco.configbase import check_at_least, check_choices, check_positive, option
 from isoloco.errors import CollectiveError, ConfigError, PeerLostError, first_line
 from isoloco.watchdog import PeerWatchdog
@@ -347,24 +347,6 @@ class TorchCommunicator(Communicator):
 GRADIENT_BUCKET_BYTES = 25 * 2**20
 
 
-def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of same-dtype tensors of at most `limit` bytes; a larger tensor is a
-    bucket of its own."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for tensor in tensors:
-        size_of = nbytes(tensor)
-        last = buckets[-1] if buckets else None
-        if last is None or size_of >= limit or size + size_of > limit or last[0].dtype != tensor.dtype \
-                or nbytes(last[0]) >= limit:
-            buckets.append([tensor])
-            size = size_of
-        else:
-            last.append(tensor)
-            size += size_of
-    return buckets
-
-
 # ------------------------------------------------------------------------ process group
 
 
@@ -527,7 +509,8 @@ class Distributed:
         grads = [p.grad for p in params]
         with collective("gradient all-reduce"):
             pending = []
-            for bucket in _buckets(grads, GRADIENT_BUCKET_BYTES):
+            for indices in buckets([(nbytes(grad), grad.dtype) for grad in grads], GRADIENT_BUCKET_BYTES):
+                bucket = [grads[i] for i in indices]
                 flat = bucket[0] if len(bucket) == 1 else _flatten_dense_tensors(bucket)
                 pending.append((bucket, flat, dist.all_reduce(flat, group=self._island, async_op=True)))
             for bucket, flat, work in pending:

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import itertools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from isoloco.comm import Communicator, LocalCommunicator, nbytes
+from isoloco.comm import Communicator, LocalCommunicator, buckets, nbytes
 from isoloco.configbase import check_at_least, check_choices, check_positive, check_range, option
 from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.ortho import FACTOR_METHODS, NS_DTYPES, POLAR_METHODS, SCALE_METHODS, FactorSettings, IsoSettings
@@ -147,21 +148,6 @@ class MergeConfig:
 
 
 # ------------------------------------------------------------------------------- helpers
-
-
-def buckets(sizes: Sequence[tuple[int, torch.dtype]], limit: int) -> list[list[int]]:
-    """Indices of consecutive items grouped into runs of one dtype and at most `limit` bytes;
-    an item of `limit` bytes or more is a bucket of its own."""
-    groups: list[list[int]] = []
-    used = 0
-    for index, (size, dtype) in enumerate(sizes):
-        if groups and used + size <= limit and sizes[groups[-1][0]][1] == dtype:
-            groups[-1].append(index)
-            used += size
-        else:
-            groups.append([index])
-            used = size
-    return groups
 
 
 def _first_non_finite(deltas: list[list[torch.Tensor]]) -> tuple[int, int] | None:
@@ -298,7 +284,7 @@ class Merger:
         if collective == "sum" and self.cfg.quantize != "none":
             return self._run_compressed_sum(jobs, phase, fetch)
         sizes = [math.prod(job.phases[phase].shape) for job in jobs]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        offsets = [0, *itertools.accumulate(sizes)][:-1]
         workers = self.comm.local_worker_ids
         # A sum phase accumulates into one buffer; a gather phase gives each worker its own.
         buffers: list[torch.Tensor] = []
@@ -335,7 +321,7 @@ class Merger:
         shapes = [job.deltas[0].shape for job in jobs]
         wires = [wire_nbytes(math.prod(shape), quantization, quantization.group_size(shape)) for shape in shapes]
         sizes = [_aligned(size) for size in wires]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        offsets = [0, *itertools.accumulate(sizes)][:-1]
         packed = []
         for index in range(len(self.comm.local_worker_ids)):
             parts = []

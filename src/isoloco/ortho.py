@@ -222,14 +222,24 @@ def polar_gram(matrix: torch.Tensor) -> Polar:
     errs by ~eps·σ_max/σ_i in direction i — the same order as a float32 SVD's own error in
     its singular vectors.
     """
-    _check_matrix(matrix)
-    tall, transposed = _tall_view(matrix)
-    sigma, q = _gram_eigen(tall, vectors=True)
-    inverse_sigma = torch.where(sigma > 0, sigma.reciprocal(), torch.zeros_like(sigma))
-    work_dtype = torch.promote_types(matrix.dtype, torch.float32)
-    factor = tall.to(work_dtype) @ ((q * inverse_sigma.unsqueeze(-2)) @ q.mT).to(work_dtype)
-    factor = factor.mT if transposed else factor
-    return Polar(factor.to(matrix.dtype), sigma.to(matrix.dtype))
+    gram = _GramRoute(matrix)
+    factor = gram.tall @ ((gram.q * gram.inverse_sigma.unsqueeze(-2)) @ gram.q.mT).to(gram.tall.dtype)
+    factor = factor.mT if gram.transposed else factor
+    return Polar(factor.to(matrix.dtype), gram.sigma.to(matrix.dtype))
+
+
+class _GramRoute:
+    """What the Gram route needs of a matrix: its tall orientation in the working precision
+    (at least float32) and whether it was transposed, and the eigendecomposition of the Gram
+    matrix (float64): singular values σ (null ones 0), right singular vectors q, and 1/σ with
+    0 for the null directions (their 1/σ would explode)."""
+
+    def __init__(self, matrix: torch.Tensor) -> None:
+        _check_matrix(matrix)
+        tall, self.transposed = _tall_view(matrix)
+        self.sigma, self.q = _gram_eigen(tall, vectors=True)
+        self.inverse_sigma = torch.where(self.sigma > 0, self.sigma.reciprocal(), torch.zeros_like(self.sigma))
+        self.tall = tall.to(torch.promote_types(matrix.dtype, torch.float32))
 
 
 def singular_values(matrix: torch.Tensor) -> torch.Tensor:
@@ -370,16 +380,12 @@ def gram_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """Thin SVD U, S, Vᴴ from the Gram eigendecomposition (float64), null directions zeroed
     in all three: for a tall A = U S Vᵀ, V and S² are the eigenpairs of AᵀA and U = A V / S.
     Costs what `polar_gram` costs; U errs by ~eps·σ_max/σ_i in direction i (see there)."""
-    _check_matrix(matrix)
-    tall, transposed = _tall_view(matrix)
-    sigma, q = _gram_eigen(tall, vectors=True)
-    inverse_sigma = torch.where(sigma > 0, sigma.reciprocal(), torch.zeros_like(sigma))
-    work_dtype = torch.promote_types(matrix.dtype, torch.float32)
-    u = tall.to(work_dtype) @ (q * inverse_sigma.unsqueeze(-2)).to(work_dtype)
-    v = q.masked_fill((sigma == 0).unsqueeze(-2), 0).to(work_dtype)
-    if transposed:  # M = (U S Vᵀ)ᵀ = V S Uᵀ
+    gram = _GramRoute(matrix)
+    u = gram.tall @ (gram.q * gram.inverse_sigma.unsqueeze(-2)).to(gram.tall.dtype)
+    v = gram.q.masked_fill((gram.sigma == 0).unsqueeze(-2), 0).to(gram.tall.dtype)
+    if gram.transposed:  # M = (U S Vᵀ)ᵀ = V S Uᵀ
         u, v = v, u
-    return u.to(matrix.dtype), sigma.to(matrix.dtype), v.mT.to(matrix.dtype)
+    return u.to(matrix.dtype), gram.sigma.to(matrix.dtype), v.mT.to(matrix.dtype)
 
 
 POLAR_METHODS: dict[str, Callable[[torch.Tensor, int, torch.dtype], Polar]] = {
@@ -463,6 +469,11 @@ class FactorSettings:
         return wanted and k + self.oversample < rank
 
 
+def _project_out(x: torch.Tensor, left_out: torch.Tensor | None) -> torch.Tensor:
+    """(I − L Lᵀ)·x for L = `left_out` (orthonormal columns), or x itself for none."""
+    return x if left_out is None else x - left_out @ (left_out.mT @ x)
+
+
 def _orthonormal_columns(matrix: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(matrix).Q
 
@@ -479,17 +490,14 @@ def _randomized_svd(matrix: torch.Tensor, columns: int, power_iters: int,
     half-step re-orthonormalises, which keeps small directions from being lost to rounding.
     """
     a = matrix.to(torch.promote_types(matrix.dtype, torch.float32))
-
-    def project(x: torch.Tensor) -> torch.Tensor:
-        return x if left_out is None else x - left_out @ (left_out.mT @ x)
-
     probe = torch.randn(a.shape[-1], columns, generator=torch.Generator().manual_seed(0), dtype=a.dtype)
     # QR completes a rank-deficient block with arbitrary columns, which need not lie in the
     # range of I − L Lᵀ: the basis is projected again before every product with aᵀ.
-    basis = _orthonormal_columns(project(a @ probe.to(a.device)))
+    basis = _orthonormal_columns(_project_out(a @ probe.to(a.device), left_out))
     for _ in range(power_iters):
-        basis = _orthonormal_columns(project(a @ _orthonormal_columns(a.mT @ project(basis))))
-    u_small, s, vh = _svd((a.mT @ project(basis)).mT)
+        row_basis = _orthonormal_columns(a.mT @ _project_out(basis, left_out))
+        basis = _orthonormal_columns(_project_out(a @ row_basis, left_out))
+    u_small, s, vh = _svd((a.mT @ _project_out(basis, left_out)).mT)
     return (basis @ u_small).to(matrix.dtype), s.to(matrix.dtype), vh.to(matrix.dtype)
 
 
@@ -507,7 +515,7 @@ def top_factors(matrix: torch.Tensor, k: int, settings: FactorSettings = FactorS
         u, s, vh = _randomized_svd(matrix, k + settings.oversample, settings.power_iters, left_out)
         s = s / divisor
     else:
-        residual = matrix if left_out is None else matrix - left_out @ (left_out.mT @ matrix)
+        residual = _project_out(matrix, left_out)
         u, s, vh = _svd(residual / divisor if divisor != 1 else residual)
     u, s, vh = u[..., :k], s[..., :k], vh[..., :k, :]
     if largest is None:

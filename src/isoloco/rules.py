@@ -24,7 +24,6 @@ import dataclasses
 import hashlib
 from typing import Any, Callable, Literal
 
-import numpy as np
 import torch
 
 from isoloco.ortho import FactorSettings, IsoSettings, iso_correct, top_factors

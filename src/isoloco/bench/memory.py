@@ -19,9 +19,10 @@ already is there, so both columns must agree, and the option matters on a GPU.
 from __future__ import annotations
 
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -46,7 +47,7 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}: the CPU memory figure needs Linux")
 
 
-def _start_span(device: torch.device) -> int:
+def start_span(device: torch.device) -> int:
     """Reset the peak and return the memory in use now."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -55,7 +56,7 @@ def _start_span(device: torch.device) -> int:
     return _status_bytes("VmRSS")
 
 
-def _peak(device: torch.device) -> int:
+def peak(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return _status_bytes("VmHWM")
@@ -69,19 +70,31 @@ def round_peak(preset: str, workers: int, offload: bool, global_batch: int, seq_
     run config.
     """
     device = torch.device(device)
-    before = _start_span(device)
+    before = start_span(device)
     trainer = simulator(preset, METHOD, workers, global_batch, seq_len, inner_steps=1, steps=1,
                         **{"offload_workers": offload, "micro_batch": 1, "device": str(device),
                            **(overrides or {})})
     trainer.train_round(0, 1)
-    return _peak(device) - before, trainer.num_params
+    return peak(device) - before, trainer.num_params
+
+
+def in_fresh_processes(calls: list[tuple[Callable[..., Any], tuple]], env: dict[str, str] | None = None) -> list[Any]:
+    """`fn(*args)` for each (fn, args) of `calls`, each in a new process, one after another, so
+    no peak or loaded state carries over; `env` is added to the processes' environment."""
+    context = multiprocessing.get_context("spawn")
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})  # spawned processes read the environment when they start
+    try:
+        with ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
+            return [pool.submit(fn, *args).result() for fn, args in calls]
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
 
 
 def fresh_process_peaks(configs: list[tuple]) -> list[tuple[int, int]]:
     """`round_peak(*config)` for each config, each in a new process, one at a time."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
-        return [pool.submit(round_peak, *config).result() for config in configs]
+    return in_fresh_processes([(round_peak, config) for config in configs])
 
 
 def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:

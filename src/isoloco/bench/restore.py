@@ -22,9 +22,7 @@ itself and anything above it is what the restore costs on top (the target is at 
 
 from __future__ import annotations
 
-import multiprocessing
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ import torch
 
 from isoloco import checkpoint as ckpt
 from isoloco.algorithms import OUTER_FILE
-from isoloco.bench.memory import _peak, _start_span
+from isoloco.bench.memory import in_fresh_processes, peak, start_span
 from isoloco.config import resolve
 from isoloco.rundir import CHECKPOINT_DIR
 from isoloco.trainer import Trainer
@@ -54,10 +52,10 @@ def _train(config: dict[str, Any], out: Path) -> None:
 def _restore(config: dict[str, Any], out: Path) -> tuple[int, int]:
     """(peak growth of resident memory over `Trainer.restore`, bytes of state it adds to host memory)."""
     trainer = Trainer(resolve(None, config), out, progress=False)
-    before = _start_span(HOST)
+    before = start_span(HOST)
     if trainer.restore() is None:
         raise RuntimeError(f"no checkpoint to restore in {out}")
-    growth = _peak(HOST) - before
+    growth = peak(HOST) - before
     path = ckpt.latest_checkpoint(out / CHECKPOINT_DIR)
     stems = [file.stem for file in path.glob("workers-*.safetensors")]
     stems += [OUTER_FILE] if trainer.device.type == "cpu" else []
@@ -74,11 +72,8 @@ def restore_peak_ratio(workers: int = 16, preset: str = "tiny", device: str = "c
     docstring for what each side counts). `overrides` go to the run config, e.g. a smaller
     vocabulary (`data.vocab_size`) or another inner optimizer."""
     config = run_config(workers, preset, device, overrides)
-    context = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="isoloco-restore-") as tmp, \
-            ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
+    with tempfile.TemporaryDirectory(prefix="isoloco-restore-") as tmp:
         out = Path(tmp) / "run"
         out.mkdir()
-        pool.submit(_train, config, out).result()
-        growth, loaded = pool.submit(_restore, config, out).result()
+        _, (growth, loaded) = in_fresh_processes([(_train, (config, out)), (_restore, (config, out))])
     return growth / loaded

@@ -20,16 +20,13 @@ Three tables:
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 from isoloco import rules
-from isoloco.bench.memory import _peak, _start_span
+from isoloco.bench.memory import in_fresh_processes, peak, start_span
 from isoloco.bench.restore import restore_peak_ratio
 from isoloco.bench.table import Table, ratio
 from isoloco.bench.timing import interleaved
@@ -72,11 +69,11 @@ def merge_peak(rule: str, shape: tuple[int, int], workers: int, device: str) -> 
     warm = _Copies((64, 48), workers, device)
     merger.merge_all({"weight": warm.stored}, round=0, fetch=warm.fetch)
     copies = _Copies(shape, workers, device)
-    before = _start_span(device)
+    before = start_span(device)
     merged = merger.merge_all({"weight": copies.stored}, round=0, fetch=copies.fetch)
-    peak = _peak(device) - before
+    growth = peak(device) - before
     assert torch.isfinite(merged["weight"]).all()
-    return peak / nbytes(copies.common)
+    return growth / nbytes(copies.common)
 
 
 #: glibc raises its mmap threshold after large frees, after which freed tensors stay in the
@@ -92,27 +89,14 @@ def ortho_peak(shape: tuple[int, int], device: str) -> float:
     device = torch.device(device)
     iso_correct(torch.randn(64, 48, device=device))  # load its code paths first
     copies = _Copies(shape, 1, device)
-    before = _start_span(device)
+    before = start_span(device)
     iso_correct(copies.fetch(copies.stored[0]))
-    return (_peak(device) - before) / nbytes(copies.common)
-
-
-def _in_fresh_processes(fn: Callable[..., float], configs: list[tuple]) -> list[float]:
-    """`fn(*config)` for each config, each in a new process, one at a time."""
-    context = multiprocessing.get_context("spawn")
-    saved = {key: os.environ.get(key) for key in MALLOC_ENV}
-    os.environ.update(MALLOC_ENV)  # the spawned processes read it when they start
-    try:
-        with ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
-            return [pool.submit(fn, *config).result() for config in configs]
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    return (peak(device) - before) / nbytes(copies.common)
 
 
 def fresh_process_peaks(configs: list[tuple]) -> list[float]:
     """`merge_peak(*config)` for each config, each in a new process, one at a time."""
-    return _in_fresh_processes(merge_peak, configs)
+    return in_fresh_processes([(merge_peak, config) for config in configs], MALLOC_ENV)
 
 
 def paper_matrices(vocab: bool) -> Counter:
@@ -159,7 +143,7 @@ def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
     for rule in RULE_NAMES:
         row = [next(peaks) for _ in counts]
         memory.add(rule, *(f"{p:.2f}" for p in row), f"{row[-1] - row[0]:+.2f}")
-    (alone,) = _in_fresh_processes(ortho_peak, [(shape, device)])
+    (alone,) = in_fresh_processes([(ortho_peak, (shape, device))], MALLOC_ENV)
     memory.add("Iso-C's orthogonalisation alone", *([f"{alone:.2f}"] * len(counts)), "—")
     memory.notes.append(
         "K workers in one process with offloaded deltas: each delta is fetched as a fresh copy, one at a time "
