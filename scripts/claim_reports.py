@@ -15,6 +15,8 @@ A table of the page is copied from a report when the line two above it is a mark
 the file and the section (the `## ` heading the table follows), and optionally a regular
 expression that picks the rows: `<!-- table: results/claims/main/compare.md "isoloco − diloco" -->`
 or `<!-- table: results/claims/main/results.md "By method, R and H" rows: ^\| (dp|isoloco) \| -->`.
+A row the report marks unstable (†) brings along the footnote under the report's table that says
+what the mark means.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
                    *[(f"tune/small-dp-lr{lr}", "dp-s0", f"lr{lr}-") for lr in ("0.008", "0.004", "0.002", "0.001")]],
     # The outer-optimizer searches of scripts/strongest_baseline.sh: one sweep folder per setting.
     "strongest-search": [("main", "dp-s0", ""), ("strongest/*", "*-R*-H30-s0", "{sweep}-")],
+    # Compressed and delayed pseudo-gradients (scripts/link_science.sh), one sweep folder per setting.
+    "link-science": [("main", "dp-s*", ""), ("link/*", "*-R8-H30-s*", "{sweep}-")],
     "tune-muon-r8": [("main", "dp-s0", ""), ("main", "isoloco-R8-H30-s0", ""), ("tune/muon-r8", "*-R8-H30-s0", ""),
                      *[(f"tune/isoloco_muon-lr{lr}", "isoloco_muon-*", f"lr{lr}-") for lr in ("0.4", "0.7", "1.2")],
                      *[(f"tune/muloco-lr{lr}", "muloco-*", f"lr{lr}-") for lr in ("0.4", "1.0")]],
@@ -73,7 +77,8 @@ def link_view(root: Path, view: str) -> int:
     for sweeps, pattern, prefix in VIEWS[view]:
         for sweep in sorted(root.glob(sweeps)):  # a folder, or a pattern of folders ({sweep}: each one's name)
             for run in sorted(sweep.glob(pattern)):
-                if run.is_dir() and (run / "config.yaml").is_file():
+                # Finished runs only: a view is read (and committed) while its sweeps still run.
+                if run.is_dir() and (run / "summary.json").is_file():
                     (folder / f"{prefix.format(sweep=sweep.name)}{run.name}").symlink_to(os.path.relpath(run, folder))
                     count += 1
     return count
@@ -106,24 +111,40 @@ REPORTS: dict[str, list[str]] = {
 
 
 MARKER = re.compile(r'^<!-- table: (?P<file>\S+) "(?P<section>[^"]+)"(?: rows: (?P<rows>.+?))? -->$')
+#: What `isoloco report` marks an unstable run with; the footnote saying so starts with it too.
+FOOTNOTE_MARK = "†"
+
+
+def footnotes(lines: list[str], end: int) -> list[str]:
+    """The footnote of the table that ends before `lines[end]`: a blank line, then the lines that
+    start with the mark; [] when there is none."""
+    if lines[end:end + 1] != [""]:
+        return []
+    last = end + 1
+    while last < len(lines) and lines[last].startswith(FOOTNOTE_MARK):
+        last += 1
+    return lines[end:last] if last > end + 1 else []
 
 
 def report_table(file: Path, section: str, rows: str | None) -> list[str] | None:
-    """The first table after the `## section` heading of a report, with the rows `rows` matches;
-    None when the report has no such section or no table in it."""
+    """The first table after the `## section` heading of a report, with the rows `rows` matches
+    (and its footnote when one of them is marked); None when the report has no such section or no
+    table in it."""
     lines = file.read_text().splitlines() if file.is_file() else []
     if f"## {section}" not in lines:
         return None
-    table: list[str] = []
-    for line in lines[lines.index(f"## {section}") + 1:]:
-        if line.startswith("|"):
-            table.append(line)
-        elif table or line.startswith("## "):
-            break
+    start = lines.index(f"## {section}") + 1
+    while start < len(lines) and not lines[start].startswith(("|", "## ")):
+        start += 1
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    table = lines[start:end]
     if not table:
         return None
     body = [line for line in table[2:] if rows is None or re.search(rows, line)]
-    return table[:2] + body
+    marked = any(FOOTNOTE_MARK in line for line in body)
+    return table[:2] + body + (footnotes(lines, end) if marked else [])
 
 
 def sync_tables(doc: Path, write: bool) -> list[tuple[str, str]]:
@@ -149,6 +170,9 @@ def sync_tables(doc: Path, write: bool) -> list[tuple[str, str]]:
         while i < len(lines) and lines[i].startswith("|"):
             old.append(lines[i])
             i += 1
+        note = footnotes(lines, i)
+        old += note
+        i += len(note)
         new = report_table(Path(marker["file"]), marker["section"], marker["rows"])
         if new is None:
             stale.append((marker.group(0), "its report has no such table: table left as it is"))
@@ -181,7 +205,8 @@ def main() -> None:
     for folder in args.folders or REPORTS:
         if folder in VIEWS:
             print(f"{folder}: {link_view(root, folder)} runs linked")
-        compare = [arg for pair in REPORTS[folder] for arg in ("--compare", pair)]
+        # "A:B" compares two methods; "A:B::C:D" contrasts two such differences.
+        compare = [arg for pair in REPORTS[folder] for arg in ("--contrast" if "::" in pair else "--compare", pair)]
         subprocess.run([sys.executable, "-m", "isoloco", "report", str(root / folder), *compare], check=True)
 
 

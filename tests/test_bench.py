@@ -104,3 +104,49 @@ def test_bench_refuses_an_unknown_device_before_running_anything(capsys):
         main(["--device", "tpu", "--only", "ortho"])
     assert stopped.value.code == 2
     assert "tpu" in capsys.readouterr().err
+
+
+# -- the slow link ------------------------------------------------------------------------------
+
+
+def round_lines(rounds: list[tuple[float, float, float]]) -> list[dict]:
+    """Metrics round lines from (seconds, sync_s, sync_exposed_s) per round, with a step line
+    between them as the trainer writes."""
+    lines, clock = [], 0.0
+    for seconds, ran, waited in rounds:
+        clock += seconds
+        lines += [{"step": len(lines)}, {"step": len(lines) + 1, "wall_time_s": clock, "sync_s": ran,
+                                         "sync_exposed_s": waited, "wire_bytes_cross_island": 100.0 * ran,
+                                         "collectives_cross_island": 2}]
+    return lines
+
+
+def test_the_link_benchmark_reads_the_steady_rounds_only():
+    from isoloco.bench.link import steady_rounds
+
+    # The first round (warm-up) and the last (its synchronisation blocks) are left out.
+    figures = steady_rounds(round_lines([(9.0, 5.0, 5.0), (2.0, 1.0, 0.2), (3.0, 1.5, 0.4), (2.5, 1.2, 0.3),
+                                         (8.0, 4.0, 4.0)]))
+    assert figures == {"round_s": 2.5, "sync_s": 1.2, "sync_exposed_s": 0.3, "wire_bytes_cross_island": 120.0,
+                       "collectives_cross_island": 2}
+
+
+def test_the_link_tables_and_plot_cover_every_case(tmp_path):
+    from isoloco.bench import link
+    from isoloco.bench.planning import Link
+
+    results = {link._key(m, l, b, q, t): {"round_s": 2.0, "sync_s": 0.5, "sync_exposed_s": 0.5 - 0.1 * t,
+                                          "wire_bytes_cross_island": 1e6, "collectives_cross_island": 3}
+               for m in link.METHODS for l in link.LINKS for b in link.BUCKETING for q in link.QUANTIZE
+               for t in link.OVERLAPS}
+    results.update({f"overlap|{m}|{t}": {"round_s": 3.0, "sync_s": 0.8, "sync_exposed_s": 0.8 - 0.1 * t}
+                    for m in link.METHODS for t in link.OVERLAP_TAUS})
+    tables = list(link.results_tables(results))
+    assert len(tables) == len(link.LINKS) + 2
+    assert tables[-2].rows[0] == ["diloco", "0.80", "0.80", "0.30", "0.38", "3.00 → 3.00"]
+    assert all(len(t.rows) == len(link.METHODS) * len(link.BUCKETING) * len(link.QUANTIZE) for t in tables[:-2])
+    assert tables[0].rows[0][3:5] == ["2.00 (0.50)", "2.00 (0.30)"]
+    planned = Link(0.1e9 / 8, 0.02).all_reduce(1e6, 2, 3)
+    assert tables[-1].rows[0][4:] == [f"{planned:.2f}", "0.50", f"{0.5 / planned:.2f}"]
+    link.plot(results, tmp_path / "link.png")
+    assert (tmp_path / "link.png").stat().st_size > 10_000

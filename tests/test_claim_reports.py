@@ -71,6 +71,38 @@ def test_a_marker_without_its_table_exits_2_and_leaves_the_page(doc):
     assert doc.read_text() == before
 
 
+MARKED_REPORT = """## By method, R and H
+
+| method | R | loss |
+|---|---|---|
+| dp | — | 4.0 |
+| diloco | 8 | 9.0 † |
+
+† ended above the unigram baseline (unstable): not counted as support.
+
+## Every run
+"""
+
+
+def test_a_marked_row_brings_its_footnote_and_an_unmarked_table_drops_it(doc):
+    Path("report.md").write_text(MARKED_REPORT)
+    doc.write_text('<!-- table: report.md "By method, R and H" -->\n\n| method | R | loss |\n|---|---|---|\n'
+                   '| dp | — | 4.0 |\n\nAfter.\n\n'
+                   '<!-- table: report.md "By method, R and H" rows: ^\\| dp -->\n\n| method | R | loss |\n'
+                   '|---|---|---|\n| dp | — | 4.0 |\n')
+    sync = _script().sync_tables
+    assert [problem for _, problem in sync(doc, write=True)] == ["updated"]
+    text = doc.read_text()
+    assert text.count("† ended above") == 1  # under the table that keeps the marked row only
+    assert "| diloco | 8 | 9.0 † |\n\n† ended above the unigram baseline (unstable): not counted as support.\n\n" \
+           "After." in text
+    assert sync(doc, write=False) == []  # the footnote is part of the table it follows
+    Path("report.md").write_text(MARKED_REPORT.replace(" †", "").replace("\n† ended above the unigram baseline "
+                                                                          "(unstable): not counted as support.\n", ""))
+    assert [problem for _, problem in sync(doc, write=True)] == ["updated"]
+    assert "†" not in doc.read_text() and "| diloco | 8 | 9.0 |\n\nAfter." in doc.read_text()
+
+
 @pytest.mark.parametrize("page", ["docs/claims.md", "docs/results.md"])
 def test_the_docs_tables_match_the_committed_reports(page):
     done = subprocess.run([sys.executable, str(SCRIPT), "--check", page], cwd=ROOT, capture_output=True, text=True)

@@ -47,6 +47,9 @@ RULES = {
     "iso_c_update": {"method": "isoloco", "outer.iso_placement": "update"},
     "iso_cts": {"method": "isocts", "steps": 3, "eval_every": 3},
     "mean_int8_ef": {"method": "diloco", "merge.quantize": "int8", "merge.error_feedback": True},
+    # IsoLoCo with round 0's synchronisation in flight for one step of round 1 (its traffic
+    # counts in round 1, beside round 1's own: `test_overlap_counts_each_synchronisation_once`).
+    "overlap": {"method": "isoloco", "outer.overlap_steps": 1, "outer.overlap_alpha": 0.5},
 }
 #: The mean again behind an emulated slow link (1 Gbit/s, 150 ms): the same numbers, later.
 SLOW_LINK = {"method": "diloco", "dist.emulate_link": "1,150"}
@@ -185,11 +188,21 @@ def link_bytes(run: Path, link: str) -> list[float]:
     return counts(run, link if link.startswith("wire_") else f"bytes_{link}")
 
 
-@pytest.mark.parametrize("case", sorted(set(CASES) - {"dp"}))
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"dp", "overlap"}))
 def test_a_synchronisation_makes_few_collectives(two_process_runs, case):
     """Buckets: one collective per phase of the rule, however many tensors (with 2 processes
     on gloo, at most 8 per synchronisation of this model)."""
     assert all(1 <= calls <= 8 for calls in counts(two_process_runs / case, "collectives"))
+
+
+def test_overlap_counts_each_synchronisation_once(two_process_runs, island_runs):
+    """Round 0's synchronisation lands in round 1, so round 1's line counts both; the totals
+    are IsoLoCo's without overlap."""
+    for runs in (two_process_runs, island_runs):
+        for key in ("collectives", "bytes_cross_island", "wire_bytes_cross_island", "bytes_in_island"):
+            ours, blocking = counts(runs / "overlap", key), counts(runs / "iso_c", key)
+            assert ours == [0, sum(blocking)], (runs, key)
+        assert counts(runs / "iso_c", "collectives")[0] > 0
 
 
 def test_mean_and_iso_c_send_one_model_per_worker_per_round(two_process_runs, one_process_runs):
@@ -250,8 +263,9 @@ def test_two_islands_of_two_processes_train_what_two_simulated_workers_train(isl
     assert_run_close(island_runs / case, reference, 1e-4 if case == "mean_int8_ef" else 1e-5)
     state = ckpt.verify(ckpt.latest_checkpoint(island_runs / case / "checkpoints"))
     assert state["layout"] == {"workers": 2, "processes": 4, "processes_per_worker": 2}
-    assert sorted(state["checksums"]) == ["global.safetensors", "outer.safetensors", "workers-0.safetensors",
-                                          "workers-1.safetensors"]
+    in_flight = ["overlap.safetensors"] if case == "overlap" else []  # θ_t, which the workers' deltas point from
+    assert sorted(state["checksums"]) == ["global.safetensors", "outer.safetensors", *in_flight,
+                                          "workers-0.safetensors", "workers-1.safetensors"]
 
 
 def sliced(floats: int, slices: int) -> int:
@@ -288,7 +302,7 @@ def cross_island_floats(cfg: TrainConfig, shapes: list[torch.Size], workers_per_
     return [numel]
 
 
-@pytest.mark.parametrize("case", sorted(ISLAND_CASES))
+@pytest.mark.parametrize("case", sorted(set(ISLAND_CASES) - {"overlap"}))
 def test_each_process_sends_its_share_of_one_island_copy_across_islands(island_runs, two_worker_runs, case):
     """1/G of a model per process for mean, Iso-C and DARE; 1/G of the analytic count for
     the others (every slice padded to equal width). Inside the island each process sends its

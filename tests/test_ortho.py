@@ -266,3 +266,207 @@ def test_gram_space_iteration_applies_the_same_polynomial(monkeypatch, method, s
     bf16_on_the_matrix = ortho.orthogonalize(matrix.float(), method, ns_steps=5, ns_dtype=torch.bfloat16).factor
     assert relative_error(bf16_in_gram_space, on_the_matrix) < 0.01
     assert relative_error(bf16_in_gram_space, on_the_matrix) < relative_error(bf16_on_the_matrix, on_the_matrix)
+
+
+# -- the spectrum variants: iso_power and iso_floor (issue 21) -----------------------------------
+
+EXACT = list(ortho.SVD_METHODS)
+VARIANT_SHAPES = [(40, 24), (24, 40), (32, 32)]
+
+
+def spectrum_of(matrix: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.svdvals(matrix.double())
+
+
+def paper_iso_c(matrix: torch.Tensor, settings: ortho.IsoSettings) -> torch.Tensor:
+    """Iso-C as `iso_correct` computed it before the variants existed: scale · polar factor."""
+    polar = ortho.orthogonalize(matrix, settings.ortho, settings.ns_steps, ortho.NS_DTYPES[settings.ns_dtype])
+    return polar.factor * ortho.SCALE_METHODS[settings.scale](matrix, polar).to(matrix.dtype)[..., None, None]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("scale", SCALES)
+def test_default_knobs_keep_the_paper_code_path_bit_for_bit(monkeypatch, method, scale):
+    def variant_called(*args):
+        raise AssertionError("the spectrum variants ran with their knobs at the defaults")
+
+    monkeypatch.setattr(ortho, "_iso_variant", variant_called)
+    settings = ortho.IsoSettings(method, scale)
+    assert (settings.iso_power, settings.iso_floor) == (0, 0) and not settings.reshapes_spectrum
+    for seed, shape in enumerate([(40, 24), (24, 40), (32, 32), (3, 12, 20)]):
+        matrix = signal_plus_noise(*shape, seed=seed) if len(shape) == 2 else torch.randn(*shape)
+        assert torch.equal(ortho.iso_correct(matrix, settings), paper_iso_c(matrix, settings))
+
+
+def test_merge_config_defaults_are_the_paper_iso_c():
+    from isoloco.merge import MergeConfig
+
+    assert MergeConfig().iso == ortho.IsoSettings()
+
+
+@pytest.mark.parametrize("method", EXACT)
+@pytest.mark.parametrize("shape", VARIANT_SHAPES)
+def test_power_one_returns_the_update(method, shape):
+    matrix = signal_plus_noise(*shape)
+    assert relative_error(ortho.iso_correct(matrix, ortho.IsoSettings(method, iso_power=1.0)), matrix) < 1e-5
+
+
+@pytest.mark.parametrize("method", EXACT)
+@pytest.mark.parametrize("shape", VARIANT_SHAPES)
+def test_power_zero_is_iso_c(method, shape):
+    """The reshaped spectrum at p = 0 is Iso-C's (the defaults take Iso-C's own path), and p → 0
+    converges to it."""
+    matrix = signal_plus_noise(*shape)
+    iso_c = ortho.iso_correct(matrix, ortho.IsoSettings(method))
+    sigma = spectrum_of(matrix)
+    torch.testing.assert_close(ortho.reshaped_spectrum(sigma, 0.0, 0.0), sigma.mean().expand_as(sigma))
+    assert relative_error(ortho.iso_correct(matrix, ortho.IsoSettings(method, iso_power=1e-9)), iso_c) < 1e-5
+
+
+@pytest.mark.parametrize("method", EXACT)
+@pytest.mark.parametrize("shape", VARIANT_SHAPES)
+def test_power_half_keeps_the_mean_and_orders_the_spectrum_as_its_square_root(method, shape):
+    matrix = signal_plus_noise(*shape)
+    sigma = spectrum_of(matrix)
+    result = spectrum_of(ortho.iso_correct(matrix, ortho.IsoSettings(method, iso_power=0.5)))
+    assert result.mean().item() == pytest.approx(sigma.mean().item(), rel=1e-5)
+    expected = sigma.sqrt() * sigma.mean() / sigma.sqrt().mean()
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    # Flatter than the update, steeper than Iso-C: the largest is damped, the smallest lifted.
+    assert sigma[-1] < result[-1] < result[0] < sigma[0]
+
+
+@pytest.mark.parametrize("method", EXACT)
+def test_power_keeps_the_singular_vectors(method):
+    matrix = signal_plus_noise(40, 24)
+    result = ortho.iso_correct(matrix, ortho.IsoSettings(method, iso_power=0.5)).double()
+    u, _, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
+    torch.testing.assert_close(u @ torch.diag(torch.diagonal(u.T @ result @ vh.T)) @ vh, result, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", EXACT)
+@pytest.mark.parametrize("shape", VARIANT_SHAPES)
+def test_floor_keeps_small_singular_values_and_flattens_the_rest_to_their_mean(method, shape):
+    matrix = signal_plus_noise(*shape)
+    sigma = spectrum_of(matrix)
+    floor = 0.2
+    above = sigma >= floor * sigma[0]
+    assert 1 < int(above.sum()) < len(sigma)  # the test matrix has values on both sides
+    result = spectrum_of(ortho.iso_correct(matrix, ortho.IsoSettings(method, iso_floor=floor)))
+    expected = torch.where(above, sigma[above].mean(), sigma).sort(descending=True).values
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_floor_and_power_together_reshape_only_the_values_above_the_floor():
+    sigma = torch.tensor([[16.0, 4.0, 1.0, 0.5, 0.0]], dtype=torch.float64)
+    reshaped = ortho.reshaped_spectrum(sigma, power=0.5, floor=0.05)
+    torch.testing.assert_close(reshaped[0, 3:], sigma[0, 3:])  # below 0.05·16: kept
+    lifted = torch.tensor([4.0, 2.0, 1.0], dtype=torch.float64)
+    torch.testing.assert_close(reshaped[0, :3], lifted * 21 / 7)  # c = Σσ / Σσ^0.5 = 21 / 7
+
+
+@pytest.mark.parametrize("knob", [dict(iso_power=0.5), dict(iso_floor=0.3)])
+def test_variants_leave_null_directions_out(knob):
+    matrix = rank_deficient(20, 12, rank=4)
+    result = spectrum_of(ortho.iso_correct(matrix, ortho.IsoSettings("svd", **knob)))
+    assert result[4:].max() < 1e-5 * result[0]
+    torch.testing.assert_close(result.sum(), spectrum_of(matrix).sum(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("method", EXACT)
+@pytest.mark.parametrize("knob", [dict(iso_power=0.5), dict(iso_floor=0.3), dict(iso_power=0.3, iso_floor=0.1)])
+def test_variants_batched_equal_one_by_one(method, knob):
+    batch = torch.stack([signal_plus_noise(12, 20, seed=s) for s in range(3)])
+    settings = ortho.IsoSettings(method, **knob)
+    together = ortho.iso_correct(batch, settings)
+    one_by_one = torch.stack([ortho.iso_correct(m, settings) for m in batch])
+    torch.testing.assert_close(together, one_by_one, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("knob", [dict(iso_power=0.5), dict(iso_floor=0.3)])
+@pytest.mark.parametrize("shape", [(6, 4), (3, 6, 4)])
+def test_variants_of_a_zero_matrix_are_zeros(knob, shape):
+    assert torch.equal(ortho.iso_correct(torch.zeros(shape), ortho.IsoSettings(**knob)), torch.zeros(shape))
+
+
+def test_variants_keep_the_dtype_and_compute_half_precision_in_float32():
+    matrix = signal_plus_noise(24, 16)
+    settings = ortho.IsoSettings(iso_power=0.5)
+    assert ortho.iso_correct(matrix.double(), settings).dtype == torch.float64
+    result = ortho.iso_correct(matrix.bfloat16(), settings)
+    assert result.dtype == torch.bfloat16
+    assert relative_error(result, ortho.iso_correct(matrix.bfloat16().float(), settings)) < 1e-2
+
+
+@pytest.mark.parametrize("method", ["newton_schulz", "polar_express"])
+@pytest.mark.parametrize("knob, named", [(dict(iso_power=0.5), "iso_power=0.5"),
+                                         (dict(iso_floor=0.1), "iso_floor=0.1")])
+def test_variants_refuse_the_iterative_methods(method, knob, named):
+    with pytest.raises(ValueError, match=f"{named} is not allowed with ortho={method}.*set ortho=auto, svd or gram"):
+        ortho.IsoSettings(method, **knob)
+
+
+def test_variant_knob_errors():
+    with pytest.raises(ValueError, match=r"iso_power=1.5 is not allowed: it must be in \[0, 1\]"):
+        ortho.IsoSettings(iso_power=1.5)
+    with pytest.raises(ValueError, match=r"iso_power=-0.1 is not allowed"):
+        ortho.IsoSettings(iso_power=-0.1)
+    with pytest.raises(ValueError, match=r"iso_floor=1.0 is not allowed: it must be in \[0, 1\)"):
+        ortho.IsoSettings(iso_floor=1.0)
+    with pytest.raises(ValueError, match="iso_floor=0.1 is not allowed with scale=rms.*set scale=exact"):
+        ortho.IsoSettings("svd", "rms", iso_floor=0.1)
+
+
+def test_variant_keys_are_config_keys():
+    from isoloco.config import parse_overrides, resolve
+
+    cfg = resolve(None, {"merge.iso_power": 0.5, "merge.iso_floor": 0.05})
+    assert (cfg.merge.iso.iso_power, cfg.merge.iso.iso_floor) == (0.5, 0.05)
+    assert resolve(None, parse_overrides(["merge.iso_power=0.5"])).merge.iso.iso_power == 0.5
+    assert resolve(None, {}).merge.iso == ortho.IsoSettings()
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"method": "isoloco_fast", "merge.iso_power": 0.5},
+     "merge.iso_power=0.5 is not allowed with merge.ortho=newton_schulz"),
+    ({"merge.ortho": "polar_express", "merge.iso_floor": 0.1},
+     "merge.iso_floor=0.1 is not allowed with merge.ortho=polar_express"),
+    ({"merge.iso_power": 2.0}, "merge.iso_power=2.0 is not allowed"),
+])
+def test_config_refuses_bad_variant_settings(overrides, named):
+    from isoloco.config import resolve
+    from isoloco.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=named):
+        resolve(None, overrides)
+
+
+def test_cli_refuses_variants_with_newton_schulz_before_any_work(tmp_path, capsys):
+    from isoloco.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "method=isoloco_fast", "merge.iso_power=0.5", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "merge.iso_power=0.5" in err and "merge.ortho=auto, svd or gram" in err
+    assert not out.exists()
+
+
+def test_variants_reach_the_merge_and_the_update_placement():
+    """`merge.iso_c` (the engine's finalize) and `IsoLoCo` (outer.iso_placement=update) both
+    apply the configured variant."""
+    from isoloco import merge
+    from isoloco.outer import OuterConfig, build_outer_optimizer
+
+    settings = ortho.IsoSettings("svd", iso_power=0.5, iso_floor=0.05)
+    deltas = [signal_plus_noise(24, 16, seed=s) for s in range(3)]
+    expected = ortho.iso_correct(torch.stack(deltas).mean(0), settings)
+    torch.testing.assert_close(merge.iso_c(deltas, settings), expected)
+
+    config = merge.MergeConfig(rule="iso_c", ortho="svd", iso_power=0.5, iso_floor=0.05)
+    param = torch.nn.Parameter(torch.zeros(24, 16))
+    optimizer = build_outer_optimizer([("w", param)], config, OuterConfig(iso_placement="update", lr=1.0,
+                                                                           momentum=0.5))
+    param.grad = deltas[0].clone()
+    optimizer.step()
+    # First step: the momentum buffer is g, the Nesterov update g + 0.5·g.
+    torch.testing.assert_close(param.detach(), -ortho.iso_correct(1.5 * deltas[0], settings))

@@ -20,13 +20,13 @@ def test_the_split_sends_one_island_copy_and_diloco_beats_dp_on_a_slow_link():
     times = GPU.round_seconds(slow)
     compute_and_fast = times["compute"] + GPU.inner_steps * GPU.fast.all_reduce(GPU.model_bytes, 8, messages=1)
     ring = 2 * 7 / 8 * GPU.model_bytes / slow
-    latency = 2 * 7 * GPU.tensors * GPU.slow_latency
+    latency = 2 * 7 * GPU.merge_collectives * GPU.slow_latency
     assert times["diloco, G copies across"] - compute_and_fast == pytest.approx(8 * ring + latency)
-    gather = GPU.fast.all_gather(GPU.model_bytes, 8, GPU.tensors)
+    gather = GPU.fast.all_gather(GPU.model_bytes, 8, GPU.merge_collectives)
     assert times["diloco, split"] - compute_and_fast == pytest.approx(ring + latency + gather)
     assert times["compute"] < times["diloco, split"] < times["diloco, G copies across"] < times["dp"]
     # With an unlimited slow link only its latency is left: DP pays one chain across islands per
-    # step (its gradient buckets overlap), the merge one per parameter tensor, once per round.
+    # step (its gradient buckets overlap), the merge one per bucket, once per round.
     latency_only = GPU.round_seconds(1e30)
     assert latency_only["dp"] == pytest.approx(compute_and_fast + GPU.inner_steps * 14 * GPU.slow_latency)
     assert latency_only["diloco, split"] == pytest.approx(compute_and_fast + latency + gather)

@@ -1,7 +1,9 @@
-"""`isoloco report`: gaps to the matching dp run, mean ± std over seeds, identical bytes on rerun."""
+"""`isoloco report`: gaps to the matching dp run, mean ± std over seeds, identical bytes on rerun;
+paired comparisons that call a difference, or a tie only by an equivalence test; unstable runs flagged."""
 
 import csv
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -10,9 +12,10 @@ import yaml
 
 from isoloco.cli import main
 from isoloco.config import resolve, to_dict
-from isoloco.report import load_runs, write_report
+from isoloco.report import compare_markdown, group_runs, load_runs, results_markdown, t_quantile, write_report
 
 TOKENS = 6 * 8 * 32  # steps x global_batch x seq_len of the runs below
+UNIGRAM = 7.0  # the unigram baseline the fake runs report: a loss above it is an unstable run
 
 
 def _fake_run(root: Path, name: str, loss: float | None, finished: bool = True, processes: int = 1, **keys) -> None:
@@ -26,8 +29,9 @@ def _fake_run(root: Path, name: str, loss: float | None, finished: bool = True, 
         json.dumps({"step": s, "tokens": s * 256, "train_loss": 9.0, **({"val_loss": v} if s in (3, 6) else {})}) + "\n"
         for s in range(1, 7) for v in [dict(curve).get(s)]))
     if finished:
-        (run / "summary.json").write_text(json.dumps({"final_val_loss": loss, "wall_time_s": 12.5, "cpu_time_s": 10.0, "tokens": TOKENS,
-                                                      "processes": processes}))
+        (run / "summary.json").write_text(json.dumps({"final_val_loss": loss, "wall_time_s": 12.5, "cpu_time_s": 10.0,
+                                                      "tokens": TOKENS, "processes": processes,
+                                                      "unigram_baseline": UNIGRAM}))
 
 
 def _grid(root: Path) -> None:
@@ -138,7 +142,8 @@ def test_runs_that_differ_in_more_than_the_seed_are_separate_points(tmp_path):
     # --compare names a variant as the tables write it.
     pair = "diloco outer.lr=0.4 processes=1:diloco outer.lr=0.7 processes=1"
     assert main(["report", str(tmp_path), "--compare", pair]) == 0
-    assert "| 2 | 3 | 2 | +0.6000 ± 0.0000 | diloco outer.lr=0.7 processes=1 lower |" in (tmp_path / "compare.md").read_text()
+    assert ("| 2 | 3 | 2 | +0.6000 ± 0.0000 | [+12.77%, +12.77%] fail | diloco outer.lr=0.7 processes=1 lower |"
+            in (tmp_path / "compare.md").read_text())  # 0.6 / 4.7, B's mean loss
 
 
 def test_gaps_are_to_the_strongest_dp_variant_when_dp_ran_with_several_settings(tmp_path):
@@ -202,7 +207,7 @@ def test_a_knob_searched_over_several_values_gets_its_own_plot(tmp_path):
 def test_compare_pairs_seeds_and_calls_a_difference_only_outside_its_interval(tmp_path):
     for seed in range(3):
         _fake_run(tmp_path, f"dp-s{seed}", 4.0, method="dp", workers=1, seed=seed)
-    # isoloco − diloco per seed: R=1: −0.1, +0.1, 0.0 (within the spread); R=4: −0.30, −0.32, −0.28 (called)
+    # isoloco − diloco per seed: R=1: −0.1, +0.1, 0.0 (not distinguishable); R=4: −0.30, −0.32, −0.28 (called)
     for seed, (d1, d4) in enumerate(((-0.1, -0.30), (0.1, -0.32), (0.0, -0.28))):
         for r, diff in ((1, d1), (4, d4)):
             _fake_run(tmp_path, f"diloco-R{r}-H3-s{seed}", 4.5, method="diloco", workers=r, inner_steps=3, seed=seed)
@@ -210,20 +215,145 @@ def test_compare_pairs_seeds_and_calls_a_difference_only_outside_its_interval(tm
                       seed=seed)
     assert main(["report", str(tmp_path), "--compare", "isoloco:diloco"]) == 0
     text = (tmp_path / "compare.md").read_text()
-    # R = 1: mean 0, s = 0.1, half-width 4.303 · 0.1 / √3 = 0.2484
-    assert "| 1 | 3 | 3 | +0.0000 ± 0.2484 | within the spread | +12.50 | +12.50 | 1.00 |" in text
-    # R = 4: mean −0.30, s = 0.02, half-width 4.303 · 0.02 / √3 = 0.0497
-    assert "| 4 | 3 | 3 | -0.3000 ± 0.0497 | isoloco lower | +5.00 | +12.50 | 0.40 |" in text
+    # R = 1: mean 0, s = 0.1, half-width 4.303 · 0.1 / √3 = 0.2484; the 90% one, 2.920 · 0.1 / √3 = 0.1686,
+    # is 3.75% of diloco's 4.5: outside ±1%
+    assert ("| 1 | 3 | 3 | +0.0000 ± 0.2484 | [-3.75%, +3.75%] fail | not distinguishable with 3 seeds | +12.50 | "
+            "+12.50 | 1.00 |") in text
+    # R = 4: mean −0.30, s = 0.02, half-width 4.303 · 0.02 / √3 = 0.0497; 90%: (−0.30 ± 0.0337) / 4.5
+    assert "| 4 | 3 | 3 | -0.3000 ± 0.0497 | [-7.42%, -5.92%] fail | isoloco lower | +5.00 | +12.50 | 0.40 |" in text
     assert "from R = 1 to R = 4 (3 seeds): -0.3000 ± 0.2766 (isoloco gains on diloco as R grows)" in text
     # Against dp: its run of the same seed, at every R.
     assert main(["report", str(tmp_path), "--compare", "diloco:dp"]) == 0
-    assert "| 4 | 3 | 3 | +0.5000 ± 0.0000 | dp lower | +12.50 | +0.00 | — |" in (tmp_path / "compare.md").read_text()
+    assert ("| 4 | 3 | 3 | +0.5000 ± 0.0000 | [+12.50%, +12.50%] fail | dp lower | +12.50 | +0.00 | — |"
+            in (tmp_path / "compare.md").read_text())
     assert "## Every pair" not in text  # one pair: its own table is the whole story
     # Several pairs: one table of every pair's rows first, each row named by its pair.
     assert main(["report", str(tmp_path), "--compare", "isoloco:diloco", "--compare", "diloco:dp"]) == 0
     text = (tmp_path / "compare.md").read_text()
     joined = text.split("## Every pair")[1].split("## isoloco − diloco")[0]
-    assert "| isoloco − diloco | 4 | 3 | 3 | -0.3000 ± 0.0497 | isoloco lower | +5.00 | +12.50 | 0.40 |" in joined
-    assert "| diloco − dp | 4 | 3 | 3 | +0.5000 ± 0.0000 | dp lower | +12.50 | +0.00 | — |" in joined
+    assert ("| isoloco − diloco | 4 | 3 | 3 | -0.3000 ± 0.0497 | [-7.42%, -5.92%] fail | isoloco lower | +5.00 | "
+            "+12.50 | 0.40 |") in joined
+    assert ("| diloco − dp | 4 | 3 | 3 | +0.5000 ± 0.0000 | [+12.50%, +12.50%] fail | dp lower | +12.50 | +0.00 | "
+            "— |") in joined
     assert len([line for line in joined.splitlines() if line.startswith(("| isoloco − ", "| diloco − "))]) == 4
     assert main(["report", str(tmp_path), "--compare", "isoloco"]) == 2
+
+
+def _student_t_cdf(t: float, df: int, steps: int = 2000) -> float:
+    """P(T ≤ t) for t ≥ 0: 1/2 plus Simpson's rule over the density from 0 to t."""
+    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    density = [scale * (1 + (t * i / steps) ** 2 / df) ** (-(df + 1) / 2) for i in range(steps + 1)]
+    weights = [1 if i in (0, steps) else 4 if i % 2 else 2 for i in range(steps + 1)]
+    return 0.5 + t / steps / 3 * sum(w * d for w, d in zip(weights, density))
+
+
+def test_t_quantiles_bound_the_95_and_90_percent_intervals():
+    assert t_quantile(90, 1) == 6.314 and t_quantile(90, 4) == 2.132 and t_quantile(95, 2) == 4.303
+    assert t_quantile(90, 31) == 1.645 and t_quantile(95, 31) == 1.960  # the normal quantiles beyond the table
+    # Every entry is its quantile to the 3 decimals it carries: t_{0.975, df} and t_{0.95, df}.
+    for confidence, p in ((95, 0.975), (90, 0.95)):
+        for df in range(1, 31):
+            assert _student_t_cdf(t_quantile(confidence, df), df) == pytest.approx(p, abs=3e-4), (confidence, df)
+
+
+def _paired_grid(root: Path, differences: dict[int, tuple[float, ...]], b_loss: float = 4.5) -> None:
+    """dp at 4.0, and diloco (B) at `b_loss` and isoloco (A) at b_loss + d, per R (up to 16) and seed."""
+    run = {"global_batch": 16, "inner_steps": 3}
+    for seed in range(3):
+        _fake_run(root, f"dp-s{seed}", 4.0, method="dp", workers=1, seed=seed, global_batch=16)
+    for r, per_seed in differences.items():
+        for seed, d in enumerate(per_seed):
+            _fake_run(root, f"diloco-R{r}-H3-s{seed}", b_loss, method="diloco", workers=r, seed=seed, **run)
+            _fake_run(root, f"isoloco-R{r}-H3-s{seed}", b_loss + d, method="isoloco", workers=r, seed=seed, **run)
+
+
+def _row(text: str, r: int) -> list[str]:
+    """The cells of the row of R = r in the first table of `text`."""
+    line = next(line for line in text.splitlines() if line.startswith(f"| {r} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_a_tie_is_called_only_by_the_equivalence_test_at_the_margin(tmp_path):
+    _paired_grid(tmp_path, {
+        1: (0.001,),  # one seed: no test
+        2: (0.001, -0.002, 0.0015),  # tiny differences, small spread: 90% interval ±0.07% of 4.5
+        4: (0.2, -0.25, 0.05),  # mean 0, but a spread far wider than the margin
+        8: (-0.30, -0.32, -0.28),  # clearly lower
+        16: (0.010, 0.011, 0.009),  # called (its 95% interval excludes 0), yet inside ±1%
+    })
+    runs = load_runs(tmp_path)
+    text = compare_markdown(runs, [("isoloco", "diloco")])
+    assert "| R | H | seeds | isoloco − diloco (final loss) | equivalence (±1%) | call |" in text
+    assert _row(text, 1)[3:6] == ["+0.0010", "one seed: no call", "one seed: no call"]
+    assert _row(text, 2)[4:6] == ["[-0.07%, +0.07%] pass", "equivalent within ±1%"]
+    assert _row(text, 4)[4:6] == ["[-8.58%, +8.58%] fail", "not distinguishable with 3 seeds"]
+    assert _row(text, 8)[4:6] == ["[-7.42%, -5.92%] fail", "isoloco lower"]
+    assert _row(text, 16)[4:6] == ["[+0.18%, +0.26%] pass", "diloco lower"]
+    assert "TOST" in text and "the call is then the difference, and the equivalence column still says pass" in text
+    # A tighter margin: the tie at R = 2 still passes, R = 16 is called and now fails the test.
+    tight = compare_markdown(runs, [("isoloco", "diloco")], margin_pct=0.2)
+    assert "equivalence (±0.2%)" in tight and "at a margin of ±0.2% of B's mean final loss" in tight
+    assert _row(tight, 2)[4:6] == ["[-0.07%, +0.07%] pass", "equivalent within ±0.2%"]
+    assert _row(tight, 16)[4:6] == ["[+0.18%, +0.26%] fail", "diloco lower"]
+
+
+def test_unstable_runs_are_marked_and_support_no_call(tmp_path):
+    """A run that ended above its unigram baseline: marked in results.md, and the points it is part
+    of get no call, no equivalence test and no place in the change with R."""
+    _paired_grid(tmp_path, {1: (-0.1, -0.12, -0.08), 8: (-0.3, -0.32, -0.28), 16: (-0.5, -0.52, -0.48)})
+    shutil.rmtree(tmp_path / "diloco-R16-H3-s2")
+    _fake_run(tmp_path, "diloco-R16-H3-s2", UNIGRAM + 0.5, method="diloco", workers=16, inner_steps=3, seed=2,
+              global_batch=16)
+    runs = load_runs(tmp_path)
+    assert [r.name for r in runs if r.unstable] == ["diloco-R16-H3-s2"]
+    md = results_markdown("x", runs, group_runs(runs), None, [])
+    assert "| diloco | 16 | 3 | 3 | 5.5000 ± 1.7321 † |" in md
+    assert "| diloco | 8 | 3 | 3 | 4.5000 ± 0.0000 | +12.50" in md
+    assert "| diloco-R16-H3-s2 | diloco | 16 | 3 | 2 | 7.5000 † |" in md
+    assert "| diloco-R16-H3-s1 | diloco | 16 | 3 | 1 | 4.5000 |" in md
+    by_method, every_run = md.split("## Every run")
+    note = "† ended above the unigram baseline (unstable){}: not counted as support."
+    assert f"|\n\n{note.format(' in at least one seed')}\n" in by_method and f"|\n\n{note.format('')}\n" in every_run
+    text = compare_markdown(runs, [("isoloco", "diloco")])
+    assert _row(text, 16)[4:6] == ["unstable run(s): no call", "unstable run(s): no call"]
+    assert _row(text, 8)[5] == "isoloco lower"
+    # The change with R stops at R = 8, the largest R without an unstable run: (−0.3 − −0.1) per seed.
+    assert "Change of the difference from R = 1 to R = 8 (3 seeds): -0.2000 ± 0.0000 (isoloco gains on diloco" in text
+    # Nothing unstable, nothing marked.
+    stable = [r for r in runs if not r.unstable]
+    assert "†" not in results_markdown("x", stable, group_runs(stable), None, [])
+
+
+@pytest.mark.parametrize("margin", ["abc", "0", "-1", "100", "nan"])
+def test_a_bad_margin_exits_2_naming_the_value_and_the_fix(tmp_path, capsys, margin):
+    _fake_run(tmp_path, "dp-s0", 4.0, method="dp", workers=1)
+    assert main(["report", str(tmp_path), "--compare", "isoloco:dp", "--margin", margin]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --margin {margin!r} is not a percentage of the loss between 0 and 100; example: "
+                   "--margin 1 (equivalence within ±1% of B's mean final loss)")
+    assert not (tmp_path / "results.md").exists()  # refused before any work
+
+
+def test_a_margin_is_a_percentage():
+    from isoloco.report import _margin
+
+    assert _margin("0.5") == 0.5 and _margin("1") == 1.0
+
+
+def test_a_contrast_pairs_two_differences_by_seed(tmp_path):
+    """(isoloco int8 − isoloco) − (diloco int8 − diloco): what compression costs one method
+    against what it costs the other, per seed."""
+    costs = {"isoloco": (0.01, 0.02, 0.00), "diloco": (0.11, 0.12, 0.10)}
+    for seed in range(3):
+        for method, cost in costs.items():
+            _fake_run(tmp_path, f"{method}-s{seed}", 4.5, method=method, workers=2, inner_steps=3, seed=seed)
+            _fake_run(tmp_path, f"{method}-int8-s{seed}", 4.5 + cost[seed], method=method, workers=2, inner_steps=3,
+                      seed=seed, **{"merge.quantize": "int8"})
+    pair = "{0} merge.quantize=int8:{0} merge.quantize=none"  # labels name what differs between runs
+    assert main(["report", str(tmp_path), "--contrast", f"{pair.format('isoloco')}::{pair.format('diloco')}"]) == 0
+    text = (tmp_path / "contrast.md").read_text()
+    assert ("## (isoloco merge.quantize=int8 − isoloco merge.quantize=none) − (diloco merge.quantize=int8 − diloco "
+            "merge.quantize=none)") in text
+    # −0.10 in every seed: no spread, called.
+    assert "| 2 | 3 | 3 | -0.1000 ± 0.0000 | isoloco merge.quantize=int8 − isoloco merge.quantize=none lower |" in text
+    assert main(["report", str(tmp_path), "--contrast", "isoloco:diloco"]) == 2

@@ -53,6 +53,57 @@ def test_one_worker_outer_sgd_lr1_equals_data_parallel(tmp_path, inner_steps):
     assert_close_relative(diloco.global_params, dp.global_params, 1e-5)
 
 
+# -- overlap: a synchronisation in flight while the next round trains ------------------------
+
+OVERLAP = {"outer.optimizer": "nesterov", "outer.lr": 0.7, "outer.momentum": 0.9}
+INNER = {"inner.lr": 0.003, "inner.weight_decay": 0.1, "inner.grad_clip": 1.0}
+
+
+def test_a_worker_that_keeps_its_own_weights_trains_as_if_alone(tmp_path):
+    """α = 1 lands nothing: one worker's turns continue from its own weights (θ_t − Δ_r, up
+    to rounding), so its losses are data-parallel training's although θ takes outer steps."""
+    dp = train(tmp_path, "dp", method="dp", **INNER)
+    alone = train(tmp_path, "alone", method="diloco", workers=1, inner_steps=3,
+                  **{**OVERLAP, **INNER, "outer.overlap_steps": 1, "outer.overlap_alpha": 1.0})
+    losses = lambda t: [json.loads(line)["train_loss"] for line in (t.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert losses(alone) == pytest.approx(losses(dp), rel=1e-5)
+    blocking = train(tmp_path, "blocking", method="diloco", workers=1, inner_steps=3, **{**OVERLAP, **INNER})
+    assert losses(blocking)[3:] != pytest.approx(losses(dp)[3:], rel=1e-3)  # the outer steps matter
+
+
+def test_overlap_lands_the_merged_update_after_tau_steps(tmp_path):
+    """τ steps from a worker's own weights, then (1 − α)·θ + α·θ_r: with α = 0 the worker's
+    first τ steps of a round move only its optimizer state, so any τ gives another run than
+    no overlap, and α changes it again; the last synchronisation still reaches θ."""
+    runs = {name: train(tmp_path, name, method="isoloco", workers=2, inner_steps=3, steps=9,
+                        **{"outer.overlap_steps": tau, "outer.overlap_alpha": alpha})
+            for name, tau, alpha in (("none", 0, 0.0), ("tau1", 1, 0.0), ("tau2", 2, 0.0), ("tau1-half", 1, 0.5))}
+    finals = {name: run.global_params[0] for name, run in runs.items()}
+    for a, b in (("none", "tau1"), ("tau1", "tau2"), ("tau1", "tau1-half")):
+        assert not torch.equal(finals[a], finals[b]), (a, b)
+    again = train(tmp_path, "again", method="isoloco", workers=2, inner_steps=3, steps=9,
+                  **{"outer.overlap_steps": 1, "outer.overlap_alpha": 0.5})
+    assert all(torch.equal(x, y) for x, y in zip(again.global_params, runs["tau1-half"].global_params))
+    lines = [json.loads(line) for line in (runs["tau1"].out_dir / "metrics.jsonl").read_text().splitlines()]
+    synced = [line for line in lines if "sync_s" in line]
+    # Round 0's synchronisation lands in round 1; the last one blocks at the end of round 2.
+    assert [line["sync_s"] > 0 for line in synced] == [False, True, True]
+    assert all(line["sync_exposed_s"] <= line["sync_s"] + 1e-3 for line in synced)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"outer.overlap_steps": 3}, "outer.overlap_steps=3 is not allowed with inner_steps=3"),
+    ({"outer.overlap_steps": -1}, "outer.overlap_steps=-1 is not allowed"),
+    ({"outer.overlap_alpha": 1.5}, "outer.overlap_alpha=1.5"),
+    ({"outer.overlap_steps": 1, "on_bad_worker": "drop"}, "on_bad_worker=drop is not allowed with outer.overlap"),
+])
+def test_bad_overlap_settings_are_refused_before_training(overrides, words):
+    from isoloco.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
+        resolve(None, {**SMALL, "method": "diloco", "workers": 2, "inner_steps": 3, **overrides})
+
+
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_trains_to_a_finite_loss(tmp_path, method):
     trainer = train(tmp_path, method, method=method, workers=2, inner_steps=3, steps=6)
@@ -99,10 +150,13 @@ def isoloco(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("extra", [[], ["merge.quantize=int4", "merge.error_feedback=true"]],
-                         ids=["plain", "int4-error-feedback"])
+@pytest.mark.parametrize("extra", [[], ["merge.quantize=int4", "merge.error_feedback=true"],
+                                   ["merge.quantize=int4", "merge.error_feedback=true", "outer.overlap_steps=2",
+                                    "outer.overlap_alpha=0.5"]],
+                         ids=["plain", "int4-error-feedback", "int4-error-feedback-overlap"])
 def test_killed_run_resumes_to_identical_numbers(tmp_path, extra):
-    """Also with error feedback, whose residuals the workers carry from round to round."""
+    """Also with error feedback, whose residuals the workers carry from round to round, and
+    with overlap, whose checkpoints hold the synchronisation the workers have yet to land."""
     run_args = [*CLI_RUN, *extra]
     reference = tmp_path / "reference"
     done = isoloco("train", *run_args, "--out", str(reference), "--quiet")

@@ -7,7 +7,9 @@ the algorithm synchronises. What differs between the algorithms lives here:
   a synchronisation does nothing, and θ is the compute model's weights.
 * `DiLoCo`: R workers that start every round from θ, hand back Δ_r = θ − θ_r, and are merged
   by `OuterStep`; a worker whose loss or Δ is not finite stops the run or, with
-  `on_bad_worker=drop`, is left out of the round and restarted from θ.
+  `on_bad_worker=drop`, is left out of the round and restarted from θ. With
+  `outer.overlap_steps=τ` the synchronisation runs while the next round's first τ steps
+  train from each worker's own weights (`isoloco.overlap`).
 """
 
 from __future__ import annotations
@@ -22,17 +24,22 @@ from typing import Any, Callable
 
 import torch
 
+from isoloco.comm import LINK_COUNTS
 from isoloco.config import TrainConfig
 from isoloco.data import Batches
 from isoloco.distributed import Distributed
 from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.inner import InnerOptimizer, pinned_zeros_like
 from isoloco.outer import OuterStep
+from isoloco.overlap import InFlight
 
 logger = logging.getLogger(__name__)
 
 #: The checkpoint file holding DiLoCo's outer optimizer state.
 OUTER_FILE = "outer"
+#: The checkpoint file holding θ_t, which the workers' deltas point from, while a
+#: synchronisation is in flight (`outer.overlap_steps`).
+OVERLAP_FILE = "overlap"
 
 
 @dataclass
@@ -73,6 +80,9 @@ class Algorithm(ABC):
     def begin_turn(self, worker: Worker) -> None:
         """Make the compute model `worker`'s, before its inner steps."""
 
+    def before_step(self, worker: Worker, taken: int) -> None:
+        """Called before each inner step of `worker`'s turn, `taken` steps into it."""
+
     def end_turn(self, worker: Worker) -> None:
         """Keep what `worker`'s inner steps produced, after them."""
 
@@ -90,6 +100,11 @@ class Algorithm(ABC):
 
     def checkpoint_files(self) -> dict[str, dict[str, torch.Tensor]]:
         """State beyond θ and the workers' optimizers that rank 0 writes, by file name."""
+        return {}
+
+    def worker_tensors(self, worker: Worker) -> dict[str, torch.Tensor]:
+        """What `worker` carries between rounds besides its optimizer state, by checkpoint key
+        (the tensors themselves: a restore copies into them)."""
         return {}
 
     def load_checkpoint_files(self, load: Callable[[str], Mapping[str, torch.Tensor]]) -> None:
@@ -132,8 +147,23 @@ class DiLoCo(Algorithm):
                                self._buffers() if cfg.merge.error_feedback else [])
                         for w in dist.comm.local_worker_ids]
         self.dropped: list[int] = []  # the workers left out of the last round
-        #: Seconds of the last synchronisation, and of it that training waited for.
+        self.in_flight = InFlight(self.global_params, device) if cfg.outer.overlap_steps else None
+        #: Local workers whose next turn starts from their own weights and lands the update in flight.
+        self.unlanded: set[int] = set()
+        self._new_period()
+
+    def _new_period(self) -> None:
+        """Start counting a round's synchronisation: seconds it ran and training waited for
+        it, and its traffic, taken from the communicator when it ends (`_ended`)."""
         self.sync_s = self.sync_exposed_s = 0.0
+        self.bytes_per_worker = 0
+        self.link_counts = torch.zeros(len(LINK_COUNTS), dtype=torch.float64)
+
+    def _ended(self, ran_s: float, waited_s: float) -> None:
+        self.sync_s += ran_s
+        self.sync_exposed_s += waited_s
+        self.bytes_per_worker += self.dist.comm.reset_bytes()
+        self.link_counts += self.dist.comm.reset_link_bytes()
 
     def _buffers(self) -> list[torch.Tensor]:
         """Zeros shaped like the parameters, where a worker keeps its state between turns."""
@@ -144,7 +174,10 @@ class DiLoCo(Algorithm):
         return self.dist.shard_rows(self.batches.worker_batch(step, worker.index, self.cfg.workers))
 
     def begin_turn(self, worker: Worker) -> None:
-        self.use_global_weights()
+        if worker.index in self.unlanded:
+            self._own_weights(worker)
+        else:
+            self.use_global_weights()
         worker.optimizer.move_state(self.device)
         # Never across a merge, which may give a dropped worker a fresh optimizer.
         following = self.workers.index(worker) + 1
@@ -152,7 +185,36 @@ class DiLoCo(Algorithm):
             self.workers[following].optimizer.prefetch(self.device)
 
     @torch.no_grad()
+    def _own_weights(self, worker: Worker) -> None:
+        """θ_r = θ_t − Δ_r in the compute model: the weights `worker` ended its last turn with."""
+        torch._foreach_copy_(self.params, worker.delta)
+        torch._foreach_sub_(self.params, self.in_flight.base)
+        torch._foreach_neg_(self.params)
+
+    def before_step(self, worker: Worker, taken: int) -> None:
+        if taken == self.cfg.outer.overlap_steps and worker.index in self.unlanded:
+            self._land(worker)
+
+    @torch.no_grad()
+    def _land(self, worker: Worker) -> None:
+        """Apply the synchronisation in flight to `worker`'s weights: θ_r ← (1 − α)·θ + α·θ_r."""
+        self._settle()
+        alpha = self.cfg.outer.overlap_alpha
+        if alpha == 0:
+            torch._foreach_copy_(self.params, self.global_params)
+        else:
+            torch._foreach_lerp_(self.params, self.global_params, 1 - alpha)
+        self.unlanded.discard(worker.index)
+
+    def _settle(self) -> None:
+        """Wait for the synchronisation in flight, if any (θ is then θ_{t+1})."""
+        if self.in_flight is not None and self.in_flight.wait():
+            self._ended(self.in_flight.ran_s, self.in_flight.waited_s)
+
+    @torch.no_grad()
     def end_turn(self, worker: Worker) -> None:
+        if worker.index in self.unlanded:  # a turn of at most τ steps: the update lands at its end
+            self._land(worker)
         # Δ = θ − θ_r, computed in the compute buffers, then kept by the worker until the merge.
         torch._foreach_sub_(self.params, self.global_params)
         torch._foreach_neg_(self.params)
@@ -160,15 +222,22 @@ class DiLoCo(Algorithm):
         worker.optimizer.move_state(self.storage)
 
     def synchronise(self, worker_losses: torch.Tensor, round: int) -> torch.Tensor:
+        merged, losses = self._kept(worker_losses, round)
+        last = (round + 1) * self.cfg.inner_steps >= self.cfg.train_steps
+        if self.in_flight is not None and not last:
+            self.in_flight.start(lambda: self._merge(merged, round))
+            self.unlanded = {worker.index for worker in self.workers}
+            return losses
         began = time.perf_counter()
-        merged_losses = self._merge_round(worker_losses, round)
+        self._merge(merged, round)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the clock must see the merge's kernels end
-        # Training waits for the whole synchronisation: nothing overlaps it yet.
-        self.sync_s = self.sync_exposed_s = time.perf_counter() - began
-        return merged_losses
+        seconds = time.perf_counter() - began
+        self._ended(seconds, seconds)  # training waits for the whole synchronisation
+        return losses
 
-    def _merge_round(self, worker_losses: torch.Tensor, round: int) -> torch.Tensor:
+    def _kept(self, worker_losses: torch.Tensor, round: int) -> tuple[list[Worker], torch.Tensor]:
+        """The workers this round merges (see `on_bad_worker`), and their mean loss per step."""
         kept = list(range(len(self.workers)))
         if self.cfg.on_bad_worker == "drop":
             kept = [i for i in kept if self._healthy(self.workers[i], worker_losses[i])]
@@ -180,6 +249,10 @@ class DiLoCo(Algorithm):
         if self.dropped:
             logger.warning("round %d: dropped worker(s) %s (loss or pseudo-gradient not finite); merging the "
                            "others and restarting them from the global model", round, self.dropped)
+        return merged, worker_losses[kept].mean(dim=0)
+
+    def _merge(self, merged: list[Worker], round: int) -> None:
+        """Merge `merged`'s deltas and take the outer step (θ_t → θ_{t+1})."""
         # Stored deltas (host memory when offloaded) reach the device a parameter at a time.
         deltas = {name: [w.delta[i] for w in merged] for i, name in enumerate(self.names)}
         residuals = ({name: [w.residual[i] for w in merged] for i, name in enumerate(self.names)}
@@ -191,7 +264,6 @@ class DiLoCo(Algorithm):
                 worker.optimizer = self.new_optimizer()
                 for residual in worker.residual:
                     residual.zero_()
-        return worker_losses[kept].mean(dim=0)
 
     def _fetch(self, delta: torch.Tensor) -> torch.Tensor:
         return delta.to(self.device, non_blocking=True)
@@ -203,22 +275,43 @@ class DiLoCo(Algorithm):
         return bool(torch.isfinite(losses).all() and torch.isfinite(norms).all())
 
     def round_metrics(self) -> dict[str, Any]:
-        metrics: dict[str, Any] = {"bytes_per_worker": self.dist.comm.reset_bytes(),
-                                   **self.dist.link_bytes(self.dist.comm),
+        # With overlap, the synchronisation in flight at a round's end is counted in the round
+        # it lands in. Link counts differ between processes (shard_map): averaged over them.
+        metrics: dict[str, Any] = {"bytes_per_worker": self.bytes_per_worker,
+                                   **dict(zip(LINK_COUNTS, self.dist.mean(self.link_counts).tolist())),
                                    "sync_s": self.sync_s, "sync_exposed_s": self.sync_exposed_s}
         if self.dropped:
             metrics["dropped_workers"] = self.dropped
+        self._new_period()
         return metrics
 
     @torch.no_grad()
     def use_global_weights(self) -> None:
+        self._settle()
         torch._foreach_copy_(self.params, self.global_params)
 
     def checkpoint_files(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {OUTER_FILE: self.outer.state_dict()}
+        self._settle()
+        files = {OUTER_FILE: self.outer.state_dict()}
+        if self.in_flight is not None:
+            files[OVERLAP_FILE] = dict(zip(self.names, self.in_flight.base))
+        return files
+
+    def worker_tensors(self, worker: Worker) -> dict[str, torch.Tensor]:
+        tensors = dict(zip((f"w{worker.index}.residual.{name}" for name in self.names), worker.residual))
+        if self.in_flight is not None:  # its Δ_r still makes its own weights (`_own_weights`)
+            tensors.update(zip((f"w{worker.index}.delta.{name}" for name in self.names), worker.delta))
+        return tensors
 
     def load_checkpoint_files(self, load: Callable[[str], Mapping[str, torch.Tensor]]) -> None:
         self.outer.load_state_dict(load(OUTER_FILE))
+        if self.in_flight is not None:
+            # Checkpoints follow a synchronisation: with overlap, every worker has yet to land it.
+            saved = load(OVERLAP_FILE)
+            with torch.no_grad():
+                for name, base in zip(self.names, self.in_flight.base):
+                    base.copy_(saved[name])
+            self.unlanded = {worker.index for worker in self.workers}
 
 
 def build_algorithm(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Parameter]], dist: Distributed,

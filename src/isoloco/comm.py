@@ -17,7 +17,8 @@ in one process.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -88,6 +89,17 @@ class Communicator(ABC):
         self._links[f"bytes_{link}"] += handed
         self._links[f"wire_bytes_{link}"] += wire
         self._links["collectives"] += calls
+        self._links[f"collectives_{link}"] += calls
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Collectives inside the block are left out of every count: they measure, they are no
+        part of the merge whose traffic the counts report."""
+        saved = self.bytes_sent_per_worker, dict(self._links)
+        try:
+            yield
+        finally:
+            self.bytes_sent_per_worker, self._links = saved
 
     def reset_link_bytes(self) -> torch.Tensor:
         """This process's counts since the last reset, in the order of `LINK_COUNTS`, and
@@ -101,9 +113,9 @@ class Communicator(ABC):
 #: What `Communicator.reset_link_bytes` returns, in order. `bytes_*`: what the process hands
 #: to collectives (an all-reduce its tensor, an all-gather its own block, a broadcast its
 #: tensor at the source only); `wire_bytes_*`: what the algorithm puts on the link for it
-#: (`wire_bytes`); `collectives`: its collective calls.
+#: (`wire_bytes`); `collectives`: its collective calls, in all and over each link.
 LINK_COUNTS = ("bytes_cross_island", "bytes_in_island", "wire_bytes_cross_island", "wire_bytes_in_island",
-               "collectives")
+               "collectives", "collectives_cross_island", "collectives_in_island")
 
 
 def wire_bytes(kind: str, size: int, processes: int) -> float:

@@ -38,6 +38,8 @@ class LogConfig:
     tensorboard: bool = option(False, "also write TensorBoard event files to OUT/tensorboard (needs the tensorboard extra)")
     wandb: bool = option(False, "also log to Weights & Biases (needs the wandb extra; offline unless WANDB_MODE says otherwise)")
     wandb_project: str = option("isoloco", "Weights & Biases project name")
+    spectra: bool = option(False, "diloco: log each matrix's merged update spectrum (stable rank, σ_max/σ_mean), norms "
+                           "and the workers' disagreement per round in metrics.jsonl, their cost in summary.json")
 
     def check_installed(self) -> None:
         """Refuse a logger whose extra is not installed, before a run starts (not at import:
@@ -140,6 +142,19 @@ class TrainConfig:
         for section in (self.data, self.inner, self.outer, self.merge, self.dist):
             section.validate()
         validate_combination(self.merge, self.outer)
+        overlap = self.outer.overlap_steps
+        if overlap >= self.inner_steps:
+            raise ConfigError(f"outer.overlap_steps={overlap} is not allowed with inner_steps={self.inner_steps}: a "
+                              f"synchronisation must land within the next round; use 0 <= overlap_steps < "
+                              f"{self.inner_steps}")
+        if overlap and self.on_bad_worker == "drop":
+            raise ConfigError(f"on_bad_worker=drop is not allowed with outer.overlap_steps={overlap}: a dropped "
+                              "worker has no weights of its own to train from while the synchronisation is in "
+                              "flight; set on_bad_worker=error or outer.overlap_steps=0")
+        if overlap and self.log.spectra:
+            # A synchronisation in flight ends during a later round: its line would be ambiguous.
+            raise ConfigError(f"log.spectra=true is not allowed with outer.overlap_steps={overlap}: set "
+                              "outer.overlap_steps=0 to measure the spectra, or log.spectra=false")
 
 
 # ---------------------------------------------------------------------------------------
@@ -180,7 +195,7 @@ def list_keys(cls: type = TrainConfig, prefix: str = "") -> list[Key]:
 #: whatever they were (a sweep may split a grid over machines with other values), and a report
 #: does not tell runs apart by them.
 EXECUTION_KEYS = frozenset({"device", "offload_workers", "micro_batch", "eval_batch", "checkpoint_every",
-                            "keep_checkpoints", "log.tensorboard", "log.wandb", "log.wandb_project",
+                            "keep_checkpoints", "log.tensorboard", "log.wandb", "log.wandb_project", "log.spectra",
                             "dist.gpus_per_worker", "dist.backend", "dist.timeout_s",
                             "dist.peer_silence_s", "dist.emulate_link"})
 

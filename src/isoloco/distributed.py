@@ -463,7 +463,13 @@ class Distributed:
                 if layout.islands > 1:
                     self.peers, _ = dist.new_subgroups_by_enumeration(
                         [layout.peer_ranks(j) for j in range(layout.group_size)])
-            self.comm = TorchCommunicator(layout, self.peers, self._island, cfg.dist.link())
+                merge_island = self._island
+                if cfg.outer.overlap_steps and self._island is not None:
+                    # The merge then runs beside training's gradient all-reduces and metrics:
+                    # a group of its own keeps the two orders of collectives apart.
+                    merge_island, _ = dist.new_subgroups_by_enumeration(
+                        [layout.island_ranks(i) for i in range(layout.islands)])
+            self.comm = TorchCommunicator(layout, self.peers, merge_island, cfg.dist.link())
         # Small collectives (metrics, flags, objects) run where the backend wants tensors.
         self._device = torch.device("cpu")
         if joined and dist.get_backend() == "nccl":

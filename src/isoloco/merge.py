@@ -36,7 +36,8 @@ import torch
 from isoloco.comm import Communicator, LocalCommunicator, buckets, nbytes
 from isoloco.configbase import check_at_least, check_choices, check_positive, check_range, option
 from isoloco.errors import ConfigError, NonFiniteDeltaError
-from isoloco.ortho import FACTOR_METHODS, NS_DTYPES, POLAR_METHODS, SCALE_METHODS, FactorSettings, IsoSettings
+from isoloco.ortho import (FACTOR_METHODS, NS_DTYPES, POLAR_METHODS, SCALE_METHODS, FactorSettings, IsoSettings,
+                           spectrum_knob_problem)
 from isoloco.quantize import (FORMATS, SCALE_GROUPS, Quantization, Wire, compress_with_feedback, dequantize,
                               quantize, wire_nbytes)
 from isoloco.rules import RULES, Knobs, Phase, WorkerSlot, mask_key, mean_phases
@@ -72,6 +73,14 @@ class MergeConfig:
     ns_steps: int = option(IsoSettings.ns_steps, "iterations of newton_schulz / polar_express")
     ns_dtype: str = option(IsoSettings.ns_dtype, "dtype of the newton_schulz / polar_express iterations",
                            choices=NS_DTYPES)
+    iso_power: float = option(
+        IsoSettings.iso_power,
+        "Iso-C partial flattening in [0, 1]: each singular value σ becomes c·σ^p, c keeping their mean "
+        "(0: Iso-C, 1: the update unchanged); needs merge.ortho=auto, svd or gram and merge.scale=exact")
+    iso_floor: float = option(
+        IsoSettings.iso_floor,
+        "Iso-C floor in [0, 1): singular values below this fraction of the largest keep their own value, the "
+        "others get their mean (0: Iso-C); needs merge.ortho=auto, svd or gram and merge.scale=exact")
     factors: str = option(
         FactorSettings.method,
         "TSV / Iso-CTS: how each worker's top singular directions are found: randomized (a range finder, "
@@ -103,6 +112,9 @@ class MergeConfig:
         check_range("merge.drop_rate", self.drop_rate, 0, 1, low_open=False, high_open=True)
         check_range("merge.common_fraction", self.common_fraction, 0, 1, low_open=True, high_open=False)
         check_at_least("merge.ns_steps", self.ns_steps, 1)
+        spectrum_problem = spectrum_knob_problem(self, prefix="merge.")
+        if spectrum_problem:
+            raise ConfigError(spectrum_problem)
         check_at_least("merge.oversample", self.oversample, 0)
         check_at_least("merge.power_iters", self.power_iters, 0)
         check_positive("merge.bucket_mb", self.bucket_mb)
@@ -124,7 +136,7 @@ class MergeConfig:
     @property
     def iso(self) -> IsoSettings:
         """The Iso-C settings these keys describe."""
-        return IsoSettings(self.ortho, self.scale, self.ns_steps, self.ns_dtype)
+        return IsoSettings(self.ortho, self.scale, self.ns_steps, self.ns_dtype, self.iso_power, self.iso_floor)
 
     @property
     def quantization(self) -> Quantization:

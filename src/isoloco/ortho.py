@@ -18,6 +18,13 @@ share one entry point, `iso_correct`, and can be measured against each other
 Scales: ``exact`` (mean singular value), ``rms`` (‖M‖_F/√r, the paper's fast mode) and
 ``inner`` (⟨M, O⟩/r with O the computed factor).
 
+Two variants flatten the spectrum less than Iso-C (`reshaped_spectrum`), for updates whose
+spectrum is so steep (a nearly rank-one first pseudo-gradient of the embedding or LM head)
+that giving every direction the mean singular value mostly amplifies noise: ``iso_power``
+maps σ to c·σ^p, ``iso_floor`` leaves the directions below a fraction of σ_max as they are.
+They reshape singular values, so they take the exact routes only. At their defaults (0)
+`iso_correct` runs the paper's Iso-C on its own code path.
+
 Rank-deficient matrices. The exact paths return the *minimal* polar factor
 M (MᵀM)^{+1/2}: directions whose singular value is numerically zero (see
 `null_rtol`) are left out instead of being completed by arbitrary orthonormal vectors. An
@@ -35,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -84,6 +91,8 @@ class IsoSettings:
     scale: ScaleMethod = "exact"  # how the one singular value is estimated (SCALE_METHODS)
     ns_steps: int = 5  # iterations of newton_schulz / polar_express
     ns_dtype: str = "bfloat16"  # dtype of those iterations, a key of NS_DTYPES
+    iso_power: float = 0.0  # in [0, 1]: σ ↦ c·σ^p keeping the mean (0: Iso-C, 1: the update unchanged)
+    iso_floor: float = 0.0  # in [0, 1): σ below this fraction of σ_max keep their value (0: Iso-C)
 
     def __post_init__(self) -> None:
         for knob, value, allowed in (("ortho", self.ortho, POLAR_METHODS), ("scale", self.scale, SCALE_METHODS),
@@ -92,6 +101,40 @@ class IsoSettings:
                 raise ValueError(f"{knob}={value!r} is not allowed: choose one of {', '.join(allowed)}")
         if self.ns_steps < 1:
             raise ValueError(f"ns_steps={self.ns_steps} is not allowed: it must be >= 1")
+        problem = spectrum_knob_problem(self)
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def reshapes_spectrum(self) -> bool:
+        """Whether a variant is on; if not, the correction is the paper's Iso-C."""
+        return self.iso_power != 0 or self.iso_floor != 0
+
+
+def spectrum_knob_problem(knobs: Any, prefix: str = "") -> str | None:
+    """What is wrong with the ``iso_power`` / ``iso_floor`` of `knobs` (an `IsoSettings`, or a
+    config with fields of the same names whose keys start with `prefix`), or None.
+
+    The variants reshape exact singular values: the iterative orthogonalisations compute
+    none, and a scale estimate other than the exact mean would contradict the mean they keep.
+    """
+    power, floor = f"{prefix}iso_power={knobs.iso_power!r}", f"{prefix}iso_floor={knobs.iso_floor!r}"
+    if not 0 <= knobs.iso_power <= 1:
+        return f"{power} is not allowed: it must be in [0, 1] (0: Iso-C, 1: the update unchanged)"
+    if not 0 <= knobs.iso_floor < 1:
+        return f"{floor} is not allowed: it must be in [0, 1) (0: Iso-C)"
+    if knobs.iso_power == 0 and knobs.iso_floor == 0:
+        return None
+    variant = power if knobs.iso_power != 0 else floor
+    off = f"{prefix}iso_power=0 and {prefix}iso_floor=0"
+    if knobs.ortho not in SVD_METHODS:
+        *others, last = SVD_METHODS
+        return (f"{variant} is not allowed with {prefix}ortho={knobs.ortho}: it reshapes singular values, which "
+                f"{knobs.ortho} does not compute; set {prefix}ortho={', '.join(others)} or {last}, or {off}")
+    if knobs.scale != "exact":
+        return (f"{variant} is not allowed with {prefix}scale={knobs.scale}: it keeps the exact mean singular "
+                f"value; set {prefix}scale=exact, or {off}")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,12 +431,25 @@ def gram_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return u.to(matrix.dtype), gram.sigma.to(matrix.dtype), v.mT.to(matrix.dtype)
 
 
+def svd_auto(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The faster exact thin SVD for this shape, chosen as `polar_auto` chooses: `gram_svd`
+    for clearly non-square matrices, `thin_svd` for square-ish ones."""
+    return gram_svd(matrix) if _aspect(matrix) >= GRAM_MIN_ASPECT else thin_svd(matrix)
+
+
 POLAR_METHODS: dict[str, Callable[[torch.Tensor, int, torch.dtype], Polar]] = {
     "auto": lambda matrix, steps, dtype: polar_auto(matrix),
     "svd": lambda matrix, steps, dtype: polar_svd(matrix),
     "gram": lambda matrix, steps, dtype: polar_gram(matrix),
     "newton_schulz": polar_newton_schulz,
     "polar_express": polar_express,
+}
+
+#: The thin SVD behind each exact orthogonalisation: what the spectrum variants reshape.
+SVD_METHODS: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+    "auto": svd_auto,
+    "svd": thin_svd,
+    "gram": gram_svd,
 }
 
 SCALE_METHODS: dict[str, Callable[[torch.Tensor, Polar], torch.Tensor]] = {
@@ -417,11 +473,37 @@ def orthogonalize(
     return POLAR_METHODS[method](matrix, ns_steps, ns_dtype)
 
 
+def reshaped_spectrum(sigma: torch.Tensor, power: float, floor: float) -> torch.Tensor:
+    """Singular values (..., r; null ones 0) reshaped by Iso-C's variants.
+
+    The values at or above floor·σ_max are flattened: σ ↦ c·σ^power, with c = Σσ / Σσ^power
+    over them, so their mean is kept; the values below the floor keep their own. power 1
+    changes nothing; power 0 gives the flattened values their mean, which with floor 0 is
+    Iso-C's (0⁰ = 1 counts the null values in that mean, as Iso-C's mean over r does).
+    """
+    flattened = sigma >= floor * sigma.amax(dim=-1, keepdim=True)
+    lifted = torch.where(flattened, sigma.pow(power), 0)
+    total, lifted_total = torch.where(flattened, sigma, 0).sum(-1, keepdim=True), lifted.sum(-1, keepdim=True)
+    c = torch.where(lifted_total > 0, total / lifted_total, 0)  # a zero matrix: 0/0
+    return torch.where(flattened, c * lifted, sigma)
+
+
+def _iso_variant(matrix: torch.Tensor, settings: IsoSettings) -> torch.Tensor:
+    """U·reshaped_spectrum(S)·Vᵀ from the exact SVD of `settings.ortho`, in at least float32."""
+    _check_matrix(matrix)
+    u, sigma, vh = SVD_METHODS[settings.ortho](matrix.to(torch.promote_types(matrix.dtype, torch.float32)))
+    sigma = reshaped_spectrum(sigma, settings.iso_power, settings.iso_floor)
+    return ((u * sigma.unsqueeze(-2)) @ vh).to(matrix.dtype)
+
+
 def iso_correct(matrix: torch.Tensor, settings: IsoSettings = IsoSettings()) -> torch.Tensor:
-    """The Iso-C correction scale · polar(M): every singular value replaced by one scale.
+    """The Iso-C correction scale · polar(M): every singular value replaced by one scale, or,
+    with ``iso_power`` / ``iso_floor`` set, the spectrum reshaped by `reshaped_spectrum`.
 
     Same shape and dtype as `matrix`; an all-zero matrix gives zeros.
     """
+    if settings.reshapes_spectrum:
+        return _iso_variant(matrix, settings)
     polar = orthogonalize(matrix, settings.ortho, settings.ns_steps, NS_DTYPES[settings.ns_dtype])
     factor = SCALE_METHODS[settings.scale](matrix, polar).to(matrix.dtype)
     return polar.factor * factor[..., None, None]
@@ -453,9 +535,7 @@ class FactorSettings:
     def full_svd(self, matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A thin SVD of all of `matrix` (Iso-CTS's common subspace): LAPACK's for ``exact``,
         else the Gram route on clearly non-square matrices, as `polar_auto` chooses."""
-        if self.method == "exact":
-            return thin_svd(matrix)
-        return gram_svd(matrix) if _aspect(matrix) >= GRAM_MIN_ASPECT else thin_svd(matrix)
+        return thin_svd(matrix) if self.method == "exact" else svd_auto(matrix)
 
     def polar(self, matrix: torch.Tensor) -> torch.Tensor:
         """The polar factor of stacked singular vectors: LAPACK's SVD for ``exact``, else the

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -22,6 +23,7 @@ from isoloco.configbase import check_choices, check_positive, check_range, optio
 from isoloco.errors import ConfigError
 from isoloco.merge import MergeConfig, Merger
 from isoloco.ortho import IsoSettings, iso_correct
+from isoloco.spectra import SpectraProbe
 
 PLACEMENTS = ("gradient", "update")
 
@@ -39,11 +41,25 @@ class OuterConfig:
         "the paper's IsoLoCo) or the momentum update after it (update)",
         choices=PLACEMENTS,
     )
+    overlap_steps: int = option(
+        0,
+        "τ: inner steps of the next round each worker trains from its own weights while a "
+        "synchronisation is in flight (0: none, the synchronisation blocks)",
+    )
+    overlap_alpha: float = option(
+        0.0,
+        "with overlap_steps > 0: the share α of a worker's own weights kept when the merged "
+        "update lands, θ_r ← (1 − α)·θ + α·θ_r (0 discards the τ steps' progress, as torchft)",
+    )
 
     def validate(self) -> None:
         check_choices("outer", self)
         check_positive("outer.lr", self.lr)
         check_range("outer.momentum", self.momentum, 0, 1, low_open=False, high_open=True)
+        check_range("outer.overlap_alpha", self.overlap_alpha, 0, 1, low_open=False, high_open=False)
+        if self.overlap_steps < 0:
+            raise ConfigError(f"outer.overlap_steps={self.overlap_steps} is not allowed: it must be >= 0 "
+                              "(0 turns the overlap off)")
         if self.optimizer == "nesterov" and self.momentum == 0:
             raise ConfigError(
                 "outer.momentum=0 is not allowed with outer.optimizer=nesterov: Nesterov needs "
@@ -212,6 +228,13 @@ class OuterStep:
         self.aggregation = dataclasses.replace(merge, rule="mean") if outer.iso_placement == "update" else merge
         self.merger = Merger(self.aggregation, comm, seed)
         self.optimizer = build_outer_optimizer(self.named_params, merge, outer, comm)
+        #: Measures every outer step's spectra once `measure_spectra` is called (`log.spectra`).
+        self.spectra: SpectraProbe | None = None
+
+    def measure_spectra(self) -> SpectraProbe:
+        """From now on, measure each step's spectra (`isoloco.spectra`); the probe holds them."""
+        self.spectra = SpectraProbe(self.comm)
+        return self.spectra
 
     def step(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int,
              fetch: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -240,8 +263,17 @@ class OuterStep:
             if merged.shape != param.shape:
                 raise ValueError(f"{name!r}: merged delta has shape {tuple(merged.shape)}, parameter {tuple(param.shape)}")
             param.grad = merged.to(device=param.device, dtype=param.dtype)
-        self.optimizer.step()
+        with self._observed(local_deltas, fetch):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _observed(self, local_deltas: Mapping[str, Sequence[torch.Tensor]],
+                  fetch: Callable[[torch.Tensor], torch.Tensor] | None) -> AbstractContextManager:
+        """The spectra measurement of the matrices around the optimizer step; nothing when off."""
+        if self.spectra is None:
+            return nullcontext()
+        matrices = [(name, param) for name, param in self.named_params if param.ndim == 2]
+        return self.spectra.observe(matrices, local_deltas, fetch)
 
     def _merger_of(self, workers: list[int] | None) -> Merger:
         if workers is None or workers == self.comm.local_worker_ids:

@@ -8,7 +8,8 @@ that differ only in their seed (whatever else differs between runs of one method
 the number of processes — makes a point of its own, its *variant*), and writes:
 
 * `results.csv`: one row per run; `summary.csv`: mean and sample std over seeds, per point;
-* `results.md`: both tables in Markdown, with the plots linked;
+* `results.md`: both tables in Markdown, with the plots linked; a run that ended above its
+  unigram baseline (it diverged: it knows less than the token frequencies) is marked unstable;
 * `plots/`: validation loss and gap to DP against R (log2 axis) — and against H when the
   directory holds several H —, validation loss against each numeric knob a method was run at
   several values of (a search or a grid: `outer.lr`, `merge.density`, ...), with the other
@@ -26,6 +27,7 @@ import argparse
 import csv
 import io
 import json
+import math
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,6 +44,7 @@ CSV_FILE = "results.csv"
 SUMMARY_CSV_FILE = "summary.csv"
 MARKDOWN_FILE = "results.md"
 COMPARE_FILE = "compare.md"
+CONTRAST_FILE = "contrast.md"
 PLOT_DIR = "plots"
 #: Axes a plot can put on x: run attribute -> (short label, axis title).
 X_AXES = {"workers": ("R", "workers R"), "inner_steps": ("H", "inner steps H")}
@@ -59,6 +62,7 @@ class RunResult:
     model: str
     tokens: int
     final_val_loss: float | None  # None until the run has finished (summary.json)
+    unigram_baseline: float | None  # the loss of predicting the token frequencies (summary.json)
     wall_time_s: float | None
     cpu_time_s: float | None  # the training process's CPU time in rounds (absent from older runs)
     curve: tuple[tuple[int, float], ...]  # (tokens, validation loss) at each evaluation
@@ -70,6 +74,11 @@ class RunResult:
     def label(self) -> str:
         """The method, and its variant when it has one: what `--compare` names."""
         return f"{self.method} {self.variant}" if self.variant else self.method
+
+    @property
+    def unstable(self) -> bool:
+        """Ended above the unigram baseline: training diverged, so its loss supports no comparison."""
+        return None not in (self.final_val_loss, self.unigram_baseline) and self.final_val_loss > self.unigram_baseline
 
     @property
     def is_dp(self) -> bool:
@@ -124,7 +133,7 @@ def load_run(run_dir: Path) -> RunResult:
         inner_steps=None if dp else cfg["inner_steps"], seed=cfg["seed"], model=cfg["model"],
         # A finished run says what it trained; an unfinished one is counted by its plan.
         tokens=summary.get("tokens") or from_dict(cfg).train_steps * cfg["global_batch"] * cfg["seq_len"],
-        final_val_loss=summary.get("final_val_loss"),
+        final_val_loss=summary.get("final_val_loss"), unigram_baseline=summary.get("unigram_baseline"),
         wall_time_s=summary.get("wall_time_s"), cpu_time_s=summary.get("cpu_time_s"),
         curve=_read_curve(run_dir / METRICS_FILE),
         settings=tuple(sorted(settings.items())))
@@ -201,6 +210,10 @@ class Group:
     def values(self, field: str) -> list[float]:
         return [getattr(r, field) for r in self.runs if getattr(r, field) is not None]
 
+    @property
+    def unstable(self) -> bool:
+        return any(r.unstable for r in self.runs)
+
 
 def group_runs(runs: list[RunResult]) -> list[Group]:
     groups: dict[tuple, list[RunResult]] = {}
@@ -269,6 +282,21 @@ def _dash(value: int | None) -> str:
     return "—" if value is None else str(value)
 
 
+#: What marks an unstable run, or a point with one, in the tables of results.md.
+UNSTABLE_MARK = "†"
+
+
+def _marked(text: str, unstable: bool) -> str:
+    return f"{text} {UNSTABLE_MARK}" if unstable else text
+
+
+def _unstable_footnote(marked: bool, scope: str = "") -> list[str]:
+    """The line under a table that says what its marks mean; none when nothing is marked."""
+    if not marked:
+        return []
+    return ["", f"{UNSTABLE_MARK} ended above the unigram baseline (unstable){scope}: not counted as support."]
+
+
 def results_markdown(title: str, runs: list[RunResult], groups: list[Group], manifest: dict[str, Any] | None,
                      plots: list[tuple[str, str]]) -> str:
     finished = [r for r in runs if r.final_val_loss is not None]
@@ -299,17 +327,21 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
               _md_table(["method", "R", "H", *variant_header, "seeds", "final val loss", "gap to DP (%)", "tokens",
                          "wall time (s)", "CPU time (s)"],
                         [[g.first.method, _dash(g.first.workers), _dash(g.first.inner_steps), *variant(g.first),
-                          str(len(g.values("final_val_loss"))), _pm(g.values("final_val_loss"), ".4f"),
+                          str(len(g.values("final_val_loss"))),
+                          _marked(_pm(g.values("final_val_loss"), ".4f"), g.unstable),
                           _pm(g.values("gap_pct"), "+.2f"), f"{g.first.tokens:,}", _pm(g.values("wall_time_s"), ".0f"),
                           _pm(g.values("cpu_time_s"), ".0f")]
                          for g in groups]),
+              *_unstable_footnote(any(g.unstable for g in groups), " in at least one seed"),
               "", "## Every run", "",
               _md_table(["run", "method", "R", "H", *variant_header, "seed", "final val loss", "gap to DP (%)",
                          "tokens", "wall time (s)", "CPU time (s)"],
                         [[r.name, r.method, _dash(r.workers), _dash(r.inner_steps), *variant(r), str(r.seed),
-                          _fmt(r.final_val_loss, ".4f") or "incomplete", _fmt(r.gap_pct, "+.2f") or "—",
-                          f"{r.tokens:,}", _fmt(r.wall_time_s, ".0f") or "—", _fmt(r.cpu_time_s, ".0f") or "—"]
-                         for r in runs])]
+                          _marked(_fmt(r.final_val_loss, ".4f") or "incomplete", r.unstable),
+                          _fmt(r.gap_pct, "+.2f") or "—", f"{r.tokens:,}", _fmt(r.wall_time_s, ".0f") or "—",
+                          _fmt(r.cpu_time_s, ".0f") or "—"]
+                         for r in runs]),
+              *_unstable_footnote(any(r.unstable for r in runs))]
     if plots:
         parts += ["", "## Plots", ""] + [f"![{caption}]({PLOT_DIR}/{file})" for file, caption in plots]
     return "\n".join(parts) + "\n"
@@ -524,83 +556,201 @@ def write_plots(runs: list[RunResult], folder: Path) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------------------
 # Paired comparisons
 
-#: Two-sided 95% quantiles of Student's t by degrees of freedom (1.96, the normal one, beyond).
-_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+#: Two-sided quantiles of Student's t by degrees of freedom 1 to 30 (the normal one beyond), by the
+#: confidence of the interval they bound: 95% (t_{0.975, df}) to call a difference, 90% (t_{0.95, df})
+#: for the equivalence test, since two one-sided t-tests at level 0.05 both reject exactly when the 90%
+#: interval lies inside the margin.
+_T_QUANTILES: dict[int, tuple[list[float], float]] = {
+    95: ([12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042],
+         1.960),
+    90: ([6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
+          1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697],
+         1.645),
+}
 
 
-def mean_ci95(values: list[float]) -> tuple[float, float | None]:
-    """The mean and the half-width of its 95% confidence interval (t over the seeds; None for one)."""
+def t_quantile(confidence: int, df: int) -> float:
+    """The t quantile that bounds a two-sided `confidence`% interval with `df` degrees of freedom."""
+    table, normal = _T_QUANTILES[confidence]
+    return table[df - 1] if df <= len(table) else normal
+
+
+def mean_ci(values: list[float], confidence: int = 95) -> tuple[float, float | None]:
+    """The mean and the half-width of its `confidence`% t-interval over the seeds (None for one)."""
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, None
-    t = _T95[len(values) - 2] if len(values) - 1 <= len(_T95) else 1.96
-    return mean, t * statistics.stdev(values) / len(values) ** 0.5
+    return mean, t_quantile(confidence, len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
 
 
-def _verdict(mean: float, half: float | None, a: str, b: str) -> str:
-    if half is None:
-        return "one seed: no call"
-    if abs(mean) <= half:
-        return "within the spread"
-    return f"{a} lower" if mean < 0 else f"{b} lower"
+#: The equivalence margin of --compare, in % of B's mean final loss at the point compared.
+DEFAULT_MARGIN_PCT = 1.0
+ONE_SEED = "one seed: no call"
+UNSTABLE_RUNS = "unstable run(s): no call"
+
+#: A's and B's runs at one point (R, H, budget), one pair per seed both ran.
+Paired = Iterable[tuple[RunResult, RunResult]]
+
+
+def _has_unstable(paired: Paired) -> bool:
+    return any(run.unstable for pair in paired for run in pair)
+
+
+def _differences(paired: Paired) -> list[float]:
+    return [a.final_val_loss - b.final_val_loss for a, b in paired]
+
+
+def _undecided(seeds: int) -> str:
+    return f"not distinguishable with {seeds} seeds"
+
+
+def _judge(paired: list[tuple[RunResult, RunResult]], a: str, b: str, margin_pct: float) -> tuple[str, str]:
+    """The call on A − B at one point, and the equivalence test's result: the 90% t-interval of the
+    difference in % of B's mean final loss, and whether it lies inside ±margin_pct (TOST at level
+    0.05). A difference is called when its 95% interval excludes 0, whatever the test says; a tie
+    only when the test passes."""
+    if _has_unstable(paired):
+        return UNSTABLE_RUNS, UNSTABLE_RUNS
+    if len(paired) < 2:
+        return ONE_SEED, ONE_SEED
+    differences = _differences(paired)
+    b_loss = statistics.fmean(b_run.final_val_loss for _, b_run in paired)
+    mean, half = mean_ci(differences, 90)
+    low, high = 100 * (mean - half) / b_loss, 100 * (mean + half) / b_loss
+    equivalent = -margin_pct < low and high < margin_pct
+    mean, half = mean_ci(differences, 95)
+    if abs(mean) > half:
+        call = f"{a} lower" if mean < 0 else f"{b} lower"
+    else:
+        call = f"equivalent within ±{margin_pct:g}%" if equivalent else _undecided(len(differences))
+    return call, f"[{low:+.2f}%, {high:+.2f}%] {'pass' if equivalent else 'fail'}"
 
 
 def _interval(mean: float, half: float | None) -> str:
     return f"{mean:+.4f}" + (f" ± {half:.4f}" if half is not None else "")
 
 
-def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]]) -> str:
+def _trend(points: dict[tuple, dict[int, tuple[RunResult, RunResult]]], a: str, b: str) -> list[str]:
+    """How A − B changes from the smallest R to the largest (at the smallest H), paired by seed, over
+    the points without unstable runs; nothing when fewer than two R are left."""
+    stable = {key: by_seed for key, by_seed in points.items() if not _has_unstable(by_seed.values())}
+    smallest_h = min((inner for _, inner, _ in stable), default=None)
+    by_r = {workers: by_seed for (workers, inner, _), by_seed in stable.items() if inner == smallest_h}
+    if len(by_r) < 2:
+        return []
+    low, high = min(by_r), max(by_r)
+    common = sorted(set(by_r[low]) & set(by_r[high]))
+    if not common:
+        return []
+    change = [at_high - at_low for at_high, at_low in zip(_differences(by_r[high][s] for s in common),
+                                                          _differences(by_r[low][s] for s in common))]
+    mean, half = mean_ci(change)
+    trend = (ONE_SEED if half is None else _undecided(len(common)) if abs(mean) <= half
+             else f"{a} gains on {b} as R grows" if mean < 0 else f"{a} loses ground to {b} as R grows")
+    return ["", f"Change of the difference from R = {low} to R = {high} ({len(common)} seeds): "
+                f"{_interval(mean, half)} ({trend})."]
+
+
+Finished = dict[tuple, RunResult]
+
+
+def _paired_points(finished: Finished, a: str, b: str) -> dict[tuple, dict[int, tuple[RunResult, RunResult]]]:
+    """(R, H, budget) -> seed -> (A's run, B's run), where both finished with that seed (B = a
+    dp method: its run of the seed, at every R and H)."""
+    points: dict[tuple, dict[int, tuple[RunResult, RunResult]]] = {}
+    for (label, workers, inner, budget, seed), run in finished.items():
+        other = finished.get((b, workers, inner, budget, seed)) or finished.get((b, None, None, budget, seed))
+        if label == a and other is not None:
+            points.setdefault((workers or 0, inner or 0, budget), {})[seed] = (run, other)
+    return points
+
+
+def _finished(runs: list[RunResult]) -> Finished:
+    return {(r.label, r.workers, r.inner_steps, r.budget, r.seed): r for r in runs if r.final_val_loss is not None}
+
+
+def contrast_markdown(runs: list[RunResult], contrasts: list[tuple[tuple[str, str], tuple[str, str]]]) -> str:
+    """For each ((A, B), (C, D)): (A − B) − (C − D) paired by seed at every point all four
+    reached with the same seeds, its 95% interval and the call: whether a change (B → A) costs
+    one method more than another change (D → C) costs another, e.g. what quantisation costs
+    IsoLoCo against what it costs DiLoCo."""
+    finished = _finished(runs)
+    parts = ["# Contrasts", "",
+             "(A − B) − (C − D): the difference of two paired differences of final validation loss, over the seeds "
+             "all four ran, mean ± the half-width of its 95% t-interval; called only when the interval excludes "
+             "0. A point where any of the runs ended above its unigram baseline (unstable) gets no call."]
+    for (a, b), (c, d) in contrasts:
+        first, second = _paired_points(finished, a, b), _paired_points(finished, c, d)
+        rows = []
+        for key in sorted(set(first) & set(second)):
+            seeds = sorted(set(first[key]) & set(second[key]))
+            both = [(*first[key][s], *second[key][s]) for s in seeds]
+            values = [(w.final_val_loss - x.final_val_loss) - (y.final_val_loss - z.final_val_loss) for w, x, y, z in both]
+            mean, half = mean_ci(values)
+            if any(run.unstable for runs_of_seed in both for run in runs_of_seed):
+                call = UNSTABLE_RUNS
+            elif half is None:
+                call = ONE_SEED
+            elif abs(mean) > half:
+                call = f"{a} − {b} lower" if mean < 0 else f"{c} − {d} lower"
+            else:
+                call = _undecided(len(values))
+            rows.append([_dash(key[0] or None), _dash(key[1] or None), str(len(values)), _interval(mean, half), call])
+        parts += ["", f"## ({a} − {b}) − ({c} − {d})", ""]
+        parts.append(_md_table(["R", "H", "seeds", "contrast (final loss)", "call"], rows) if rows
+                     else "No point where all four finished with the same seeds.")
+    return "\n".join(parts) + "\n"
+
+
+def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]],
+                     margin_pct: float = DEFAULT_MARGIN_PCT) -> str:
     """For each (A, B): the final-loss difference A − B paired by seed at every R and H both
     reached with the same seeds (B = a dp method: its run of the same seed, at every R and H),
-    its 95% interval, whether it is called, and both methods' mean gaps to DP over those seeds;
-    with several R, also how the difference changes from the smallest R to the largest. A and B
-    are run labels: a method, or a method and its variant ("isoc outer.lr=3.0"). Several pairs
-    also get one table of every pair's rows first, to read (and quote) side by side."""
-    finished = {(r.label, r.workers, r.inner_steps, r.budget, r.seed): r for r in runs if r.final_val_loss is not None}
+    its 95% interval, its equivalence test at ±margin_pct of B's loss, the call, and both methods'
+    mean gaps to DP over those seeds; with several R, also how the difference changes from the
+    smallest R to the largest. A and B are run labels: a method, or a method and its variant
+    ("isoc outer.lr=3.0"). Several pairs also get one table of every pair's rows first, to read
+    (and quote) side by side."""
+    finished = _finished(runs)
+    margin = f"±{margin_pct:g}%"
     parts = ["# Paired comparisons", "",
              "Difference of final validation loss A − B over the seeds both ran (same seed: same initialisation "
-             "and data order), mean ± the half-width of its 95% t-interval. A difference is called only when "
-             "the interval excludes 0. The gaps to DP are means over the same seeds."]
+             "and data order), mean ± the half-width of its 95% t-interval. The call is \"A lower\" or \"B lower\" "
+             f"when that interval excludes 0; otherwise \"equivalent within {margin}\" when the difference passes "
+             f"the equivalence test at a margin of {margin} of B's mean final loss at that point, and \"not "
+             "distinguishable with n seeds\" when it does not. The equivalence test is two one-sided paired "
+             "t-tests at level 0.05 (TOST): it passes when the 90% t-interval of the difference lies inside the "
+             "margin; its column gives that interval in % of B's mean final loss. A difference can be called and "
+             "lie within the margin too: the call is then the difference, and the equivalence column still says "
+             "pass. A point where a run of either method, at any seed, ended above its unigram baseline "
+             "(unstable) gets neither a call nor a test, and is left out of the change with R. The gaps to DP "
+             "are means over the same seeds."]
     sections: list[str] = []
     every_pair: list[list[str]] = []
     for a, b in pairs:
-        points: dict[tuple, dict[int, tuple[RunResult, RunResult]]] = {}
-        for (label, workers, inner, budget, seed), run in finished.items():
-            other = finished.get((b, workers, inner, budget, seed)) or finished.get((b, None, None, budget, seed))
-            if label == a and other is not None:
-                points.setdefault((workers or 0, inner or 0, budget), {})[seed] = (run, other)
+        points = _paired_points(finished, a, b)
         rows = []
         for (workers, inner, budget), by_seed in sorted(points.items()):
-            mean, half = mean_ci95([x.final_val_loss - y.final_val_loss for x, y in by_seed.values()])
-            gaps = [_mean_std([r.gap_pct for r in side if r.gap_pct is not None])[0] for side in zip(*by_seed.values())]
+            paired = list(by_seed.values())
+            gaps = [_mean_std([r.gap_pct for r in side if r.gap_pct is not None])[0] for side in zip(*paired)]
             ratio = gaps[0] / gaps[1] if None not in gaps and gaps[1] else None
-            rows.append([_dash(workers or None), _dash(inner or None), str(len(by_seed)), _interval(mean, half),
-                         _verdict(mean, half, a, b), *(_fmt(g, "+.2f") or "—" for g in gaps),
-                         _fmt(ratio, ".2f") or "—"])
+            call, equivalence = _judge(paired, a, b, margin_pct)
+            rows.append([_dash(workers or None), _dash(inner or None), str(len(paired)),
+                         _interval(*mean_ci(_differences(paired))), equivalence, call,
+                         *(_fmt(g, "+.2f") or "—" for g in gaps), _fmt(ratio, ".2f") or "—"])
         every_pair += [[f"{a} − {b}", *row] for row in rows]
         sections += ["", f"## {a} − {b}", ""]
         if not rows:
             sections.append(f"No point where both {a} and {b} finished with the same seed.")
             continue
-        sections.append(_md_table(["R", "H", "seeds", f"{a} − {b} (final loss)", "call", f"gap {a} (%)",
-                                   f"gap {b} (%)", "gap ratio"], rows))
-        by_r = {key[0]: seeds for key, seeds in points.items() if key[1] == min(k[1] for k in points)}
-        if len(by_r) > 1:
-            low, high = min(by_r), max(by_r)
-            common = sorted(set(by_r[low]) & set(by_r[high]))
-            if common:
-                change = [(by_r[high][s][0].final_val_loss - by_r[high][s][1].final_val_loss)
-                          - (by_r[low][s][0].final_val_loss - by_r[low][s][1].final_val_loss) for s in common]
-                mean, half = mean_ci95(change)
-                trend = ("one seed: no call" if half is None else "within the spread" if abs(mean) <= half
-                         else f"{a} gains on {b} as R grows" if mean < 0 else f"{a} loses ground to {b} as R grows")
-                sections += ["", f"Change of the difference from R = {low} to R = {high} ({len(common)} seeds): "
-                                 f"{_interval(mean, half)} ({trend})."]
+        sections.append(_md_table(["R", "H", "seeds", f"{a} − {b} (final loss)", f"equivalence ({margin})", "call",
+                                   f"gap {a} (%)", f"gap {b} (%)", "gap ratio"], rows))
+        sections += _trend(points, a, b)
     if len(pairs) > 1 and every_pair:
         parts += ["", "## Every pair", "",
-                  _md_table(["A − B", "R", "H", "seeds", "A − B (final loss)", "call", "gap A (%)", "gap B (%)",
-                             "gap ratio"], every_pair)]
+                  _md_table(["A − B", "R", "H", "seeds", "A − B (final loss)", f"equivalence ({margin})", "call",
+                             "gap A (%)", "gap B (%)", "gap ratio"], every_pair)]
     return "\n".join(parts + sections) + "\n"
 
 
@@ -614,6 +764,9 @@ def write_report(directory: Path) -> None:
     manifest_path = directory / SWEEP_MANIFEST
     manifest = yaml.safe_load(manifest_path.read_text()) if manifest_path.is_file() else None
     plots = write_plots(runs, directory / PLOT_DIR)
+    from isoloco.spectra import write_spectra_plots
+
+    plots += write_spectra_plots(directory, runs, directory / PLOT_DIR)
     (directory / CSV_FILE).write_text(results_csv(runs))
     (directory / SUMMARY_CSV_FILE).write_text(summary_csv(groups))
     title = directory.resolve().name
@@ -623,12 +776,28 @@ def write_report(directory: Path) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     directory = Path(args.directory)
     pairs = [_pair(text) for text in args.compare]
+    contrasts = [_contrast(text) for text in args.contrast]
+    margin_pct = _margin(args.margin)
     write_report(directory)
     print(f"wrote {directory / MARKDOWN_FILE}, {CSV_FILE}, {SUMMARY_CSV_FILE} and {directory / PLOT_DIR}/")
     if pairs:
-        (directory / COMPARE_FILE).write_text(compare_markdown(load_runs(directory), pairs))
+        (directory / COMPARE_FILE).write_text(compare_markdown(load_runs(directory), pairs, margin_pct))
         print(f"wrote {directory / COMPARE_FILE}")
+    if contrasts:
+        (directory / CONTRAST_FILE).write_text(contrast_markdown(load_runs(directory), contrasts))
+        print(f"wrote {directory / CONTRAST_FILE}")
     return 0
+
+
+def _contrast(text: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    first, sep, second = text.partition("::")
+    try:
+        if not sep:
+            raise ReportError("")
+        return _pair(first), _pair(second)
+    except ReportError:
+        raise ReportError(f"--contrast {text!r} is not A:B::C:D; example: --contrast "
+                          "'isoloco merge.quantize=int8:isoloco::diloco merge.quantize=int8:diloco'") from None
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -636,6 +805,17 @@ def _pair(text: str) -> tuple[str, str]:
     if not sep or not a or not b:
         raise ReportError(f"--compare {text!r} is not A:B; example: --compare isoloco:diloco")
     return a, b
+
+
+def _margin(text: str) -> float:
+    try:
+        pct = float(text)
+    except ValueError:
+        pct = math.nan
+    if not 0 < pct < 100:  # false for nan too
+        raise ReportError(f"--margin {text!r} is not a percentage of the loss between 0 and 100; example: "
+                          "--margin 1 (equivalence within ±1% of B's mean final loss)")
+    return pct
 
 
 def add_report_command(subparsers: argparse._SubParsersAction) -> None:
@@ -647,6 +827,13 @@ def add_report_command(subparsers: argparse._SubParsersAction) -> None:
     report.add_argument("directory", metavar="DIR", help="a folder of run directories (the --out of isoloco sweep)")
     report.add_argument("--compare", action="append", default=[], metavar="A:B",
                         help="also write compare.md: method A's final loss minus B's, paired by seed, at every R "
-                             "and H, with 95%% intervals (repeatable); A or B may name a variant as results.md "
-                             "writes it, e.g. 'isoc outer.lr=3.0:isoloco'")
+                             "and H, with 95%% intervals and an equivalence test at --margin (repeatable); A or B "
+                             "may name a variant as results.md writes it, e.g. 'isoc outer.lr=3.0:isoloco'")
+    report.add_argument("--contrast", action="append", default=[], metavar="A:B::C:D",
+                        help="also write contrast.md: (A − B) − (C − D) paired by seed, with its 95%% interval: "
+                             "whether a change costs one method more than another (repeatable)")
+    report.add_argument("--margin", default=format(DEFAULT_MARGIN_PCT, "g"), metavar="PCT",
+                        help="the equivalence margin of --compare, in %% of B's mean final loss at each point: a "
+                             "tie is called only when the 90%% interval of A − B lies inside ±PCT%% (two one-sided "
+                             "t-tests at level 0.05; default %(default)s)")
     report.set_defaults(func=cmd_report)

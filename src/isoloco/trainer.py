@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from isoloco import checkpoint as ckpt
 from isoloco import logs, sharded_checkpoint
-from isoloco.algorithms import Worker, build_algorithm
+from isoloco.algorithms import Algorithm, Worker, build_algorithm
 from isoloco.config import TrainConfig, to_dict
 from isoloco.data import Batches, TokenData, check_run_data, load_token_data, validation_batches
 from isoloco.distributed import Distributed, ProcessLayout
@@ -41,6 +41,7 @@ from isoloco.errors import CheckpointError, ConfigError
 from isoloco.metrics import MetricsLog, NullMetricsLog
 from isoloco.model import build_model, count_parameters
 from isoloco.rundir import CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR
+from isoloco.spectra import SECONDS_KEY, SPECTRA_KEY, SpectraProbe
 from isoloco.stop import GracefulStop, StopRequested
 
 logger = logging.getLogger(__name__)
@@ -83,9 +84,14 @@ def check_resume_layout(checkpoint: Path, state: dict[str, Any], layout: dict[st
 
 
 
-def residual_keys(worker: int, names: list[str]) -> list[str]:
-    """The workers file's keys of worker `worker`'s error-feedback residuals, one per parameter."""
-    return [f"w{worker}.residual.{name}" for name in names]
+def spectra_probe(cfg: TrainConfig, algorithm: Algorithm) -> SpectraProbe | None:
+    """The measurement of DiLoCo's outer steps with `log.spectra`; None when off, and for dp,
+    which has no pseudo-gradients to measure."""
+    outer = getattr(algorithm, "outer", None)
+    if not cfg.log.spectra or outer is None:
+        return None
+    return outer.measure_spectra()
+
 
 class Trainer:
 
@@ -112,6 +118,7 @@ class Trainer:
         self.algorithm = build_algorithm(cfg, self.named_params, self.dist, self.batches, self.device, self.storage)
         self.workers = self.algorithm.workers
         self.global_params = self.algorithm.global_params
+        self.spectra = spectra_probe(cfg, self.algorithm)
         #: Called after each worker's turn with (worker, start, end), before the merge: where a
         #: fault-injection test or a debugging probe looks at (or spoils) a worker's delta.
         self.after_turn: list[Callable[[Worker, int, int], None]] = []
@@ -157,6 +164,7 @@ class Trainer:
         self.algorithm.begin_turn(worker)
         losses = torch.zeros(end - start, device=self.device)
         for step in range(start, end):
+            self.algorithm.before_step(worker, step - start)
             losses[step - start] = self._forward_backward(self.algorithm.rows(step, worker))
             self.dist.average_gradients(self.params)
             worker.optimizer.step(step)
@@ -209,7 +217,7 @@ class Trainer:
                     tensors, worker_scalars = ckpt.flatten_optimizer_state(state, f"w{worker.index}.opt{j}")
                     worker_tensors.update(tensors)
                     scalars.update(worker_scalars)
-                worker_tensors.update(zip(residual_keys(worker.index, names), worker.residual))
+                worker_tensors.update(self.algorithm.worker_tensors(worker))
             files[self._workers_file()] = worker_tensors
         state = {
             "elapsed_s": self.elapsed,
@@ -248,13 +256,12 @@ class Trainer:
         with ckpt.open_tensors(path, self._workers_file()) as saved:
             for worker in self.workers:
                 worker.optimizer.load_state(saved, state["scalars"], f"w{worker.index}", self.storage)
-                for key, residual in zip(residual_keys(worker.index, [n for n, _ in self.named_params]),
-                                         worker.residual):
+                for key, tensor in self.algorithm.worker_tensors(worker).items():
                     if key not in saved:
-                        raise CheckpointError(f"checkpoint {path} holds no error-feedback residuals ({key}): it was "
-                                              "written without merge.error_feedback; resume with the settings it "
-                                              "was written with")
-                    residual.copy_(saved[key])
+                        raise CheckpointError(f"checkpoint {path} holds no {key}: it was written with other "
+                                              "merge.error_feedback or outer.overlap_steps settings; resume with "
+                                              "the settings it was written with")
+                    tensor.copy_(saved[key])
         with ExitStack() as files:
             self.algorithm.load_checkpoint_files(
                 lambda file: files.enter_context(ckpt.open_tensors(path, file)))
@@ -332,6 +339,8 @@ class Trainer:
         throughput (steps are timed as a round: workers take turns, then merge)."""
         tokens_per_step = self.cfg.global_batch * self.cfg.seq_len
         extra = {**extra, "wall_time_s": self.elapsed, "tokens_per_s": tokens_per_step * (end - start) / seconds}
+        if self.spectra is not None:
+            extra[SPECTRA_KEY] = self.spectra.take_records()
         for i, step in enumerate(range(start, end)):
             record = {"step": step + 1, "round": start // self.cfg.inner_steps, "tokens": (step + 1) * tokens_per_step,
                       "train_loss": losses[i], "lr": self.workers[0].optimizer.lr_at(step)}
@@ -362,4 +371,5 @@ class Trainer:
             "processes": self.dist.world_size,
             "wall_time_s": self.elapsed,
             "cpu_time_s": self.cpu_seconds,
+            **({SECONDS_KEY: self.spectra.seconds} if self.spectra is not None else {}),
         }

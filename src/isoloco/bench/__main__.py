@@ -15,7 +15,7 @@ import time
 import torch
 
 from isoloco import logs
-from isoloco.bench import comm, memory, ortho, outer, scale, throughput
+from isoloco.bench import comm, link, memory, ortho, outer, scale, throughput
 from isoloco.trainer import resolve_device
 
 TABLES = {
@@ -25,6 +25,7 @@ TABLES = {
     "comm": comm.tables,
     "memory": memory.tables,
     "scale": scale.tables,
+    "link": link.tables,
 }
 
 

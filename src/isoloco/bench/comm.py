@@ -46,7 +46,7 @@ def _run_config(preset: str, workers: int, gpus_per_worker: int = 1) -> dict:
             "gpus_per_worker": gpus_per_worker, "device": "cpu", "dist.backend": "gloo", "dist.timeout_s": 300}
 
 
-def _join(rank: int, world_size: int, port: int) -> None:
+def join_job(rank: int, world_size: int, port: int) -> None:
     """What torchrun would set for process `rank` (the benchmark starts its processes itself)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -62,7 +62,7 @@ def _merge_once(comm: Communicator, shapes: list[tuple[str, torch.Size]], deltas
     OuterStep(params, merge, outer, comm, seed=0).step(local, round=0)
 
 
-def _spawn(fn: Callable[..., None], processes: int, *args: object) -> dict:
+def spawn_job(fn: Callable[..., None], processes: int, *args: object) -> dict:
     """Run fn(rank, processes, port, *args, out) in `processes` gloo processes; rank 0 writes
     the JSON it returns to `out`."""
     with tempfile.TemporaryDirectory() as folder:
@@ -74,7 +74,7 @@ def _spawn(fn: Callable[..., None], processes: int, *args: object) -> dict:
 def _count_bytes(rank: int, world_size: int, port: int, preset: str, workers_list: tuple[int, ...],
                  methods: tuple[str, ...], out: str) -> None:
     """One process of the job: merge every method's deltas once per R; rank 0 writes the counts."""
-    _join(rank, world_size, port)
+    join_job(rank, world_size, port)
     shapes = parameter_shapes(preset)
     counts: dict[str, dict[str, int]] = {}
     with process_group(resolve(None, _run_config(preset, workers_list[0]))):
@@ -95,7 +95,7 @@ def bytes_per_round(preset: str, workers: tuple[int, ...], methods: tuple[str, .
                     processes: int = PROCESSES) -> dict[int, dict[str, dict[str, float]]]:
     """Bytes of one round by R and method, counted on `processes` processes: per worker
     (`per_worker`) and put on the wire by one process (`wire`)."""
-    counts = _spawn(_count_bytes, processes, preset, workers, methods)
+    counts = spawn_job(_count_bytes, processes, preset, workers, methods)
     return {int(r): by_method for r, by_method in counts.items()}
 
 
@@ -103,7 +103,7 @@ def _count_link_bytes(rank: int, world_size: int, port: int, preset: str, island
                       methods: tuple[str, ...], out: str) -> None:
     """One process of the job: for each island size G, merge every method's deltas once with
     the cross-island traffic split (after) and unsplit (before); rank 0 writes the counts."""
-    _join(rank, world_size, port)
+    join_job(rank, world_size, port)
     shapes = parameter_shapes(preset)
     deltas = worker_deltas(shapes, world_size)
     counts: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
@@ -125,7 +125,7 @@ def link_bytes_per_round(preset: str, processes: int, island_sizes: tuple[int, .
     """Bytes per process of one round over each link, by island size G, method and
     before/after the split: {G: {method: {"before"|"after": {"bytes_cross_island": ...,
     "bytes_in_island": ...}}}}, with R = `processes` workers on `processes` processes."""
-    counts = _spawn(_count_link_bytes, processes, preset, island_sizes, methods)
+    counts = spawn_job(_count_link_bytes, processes, preset, island_sizes, methods)
     return {int(size): by_method for size, by_method in counts.items()}
 
 

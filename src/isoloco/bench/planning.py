@@ -10,19 +10,21 @@ loop of the preset on this machine's CPU, one thread). Each island reaches the o
 one slow link (bandwidth per island, latency); its processes share a fast one. Collectives
 are rings: an all-reduce of n bytes over k members moves 2(k−1)/k·n bytes through each
 member's link in 2(k−1) latency-bound steps, an all-gather half that. A step's gradient
-buckets overlap (one latency chain per step); the merge's collectives, one per parameter
-tensor, run one after another (a chain each). Times per round:
+buckets overlap (one latency chain per step); the merge's collectives, one per bucket of
+`merge.bucket_mb` (64 MiB), run one after another (a chain each). Times per round:
 
 * data parallel, at its best (a hierarchical all-reduce that carries one copy over the slow
   link): every step, compute + the gradient all-reduce inside the island and across islands;
 * DiLoCo/IsoLoCo: every step, compute + the gradient all-reduce inside the island; once per
-  round, the merge: one all-reduce of the model per parameter tensor across islands, with
+  round, the merge: one all-reduce of the model per bucket across islands, with
   the island's G processes each carrying 1/G of it (then an all-gather inside the island),
   or, before that split, all G carrying all of it over the island's one slow link.
 
-Left out: overlap of compute and communication (isoloco overlaps none), the merge's own
+Left out: overlap of compute and communication (`outer.overlap_steps` hides up to τ steps of
+it: see `isoloco.bench.link`), compressed pseudo-gradients (`merge.quantize`), the merge's own
 compute (Iso-C's orthogonalisations; see the outer-step table), and TIES's or TSV's
-different merge sizes (the mean's one model is modelled).
+different merge sizes (the mean's one model is modelled). `isoloco.bench.link` checks the
+model against an emulated slow link.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from isoloco.bench.table import Table
 from isoloco.bench.throughput import plain_loop
 from isoloco.bench.timing import interleaved
 from isoloco.bench.workload import parameter_shapes, simulator
+from isoloco.comm import buckets
+from isoloco.merge import MergeConfig
 from isoloco.model import MODEL_PRESETS
 
 #: Bytes per value of a gradient or pseudo-gradient (float32).
@@ -79,9 +83,10 @@ class Scenario:
         return VALUE_BYTES * sum(shape.numel() for _, shape in parameter_shapes(self.preset))
 
     @property
-    def tensors(self) -> int:
-        """The merge's all-reduces per round: one per parameter tensor."""
-        return len(parameter_shapes(self.preset))
+    def merge_collectives(self) -> int:
+        """The merge's all-reduces per round: one per bucket of `merge.bucket_mb`."""
+        sizes = [(VALUE_BYTES * shape.numel(), torch.float32) for _, shape in parameter_shapes(self.preset)]
+        return len(buckets(sizes, int(MergeConfig.bucket_mb * 2**20)))
 
     def compute(self) -> float:
         """Seconds of one step's forward and backward: B/R tokens per island over its G processes."""
@@ -95,15 +100,15 @@ class Scenario:
         # A step's gradient buckets are all-reduced asynchronously: their latencies overlap.
         in_island = self.fast.all_reduce(size, g, messages=1)
         dp_step = in_island + slow.all_reduce(size, islands, messages=1)
-        # The merge runs one blocking collective per parameter tensor: a latency chain each.
-        gather = self.fast.all_gather(size, g, self.tensors)
+        # The merge runs one blocking collective per bucket: a latency chain each.
+        gather = self.fast.all_gather(size, g, self.merge_collectives)
         steps = self.inner_steps * (self.compute() + in_island)
         return {
             "compute": self.inner_steps * self.compute(),
             "dp": self.inner_steps * (self.compute() + dp_step),
             # Before: the island's G processes each all-reduce the whole model over its one slow link.
-            "diloco, G copies across": steps + slow.all_reduce(g * size, islands, self.tensors),
-            "diloco, split": steps + slow.all_reduce(size, islands, self.tensors) + gather,
+            "diloco, G copies across": steps + slow.all_reduce(g * size, islands, self.merge_collectives),
+            "diloco, split": steps + slow.all_reduce(size, islands, self.merge_collectives) + gather,
         }
 
 
@@ -129,7 +134,8 @@ def table(scenario: Scenario, measured: bool) -> Table:
         rows.add(f"{bits / 1e9:g} Gbit/s", *(f"{t:.3g} s" for t in times.values()))
     source = "measured on this machine, one CPU thread" if measured else "given"
     rows.notes.append(
-        f"Inputs: {scenario.model_bytes / 2**20:,.1f} MiB of float32 per model in {scenario.tensors} tensors; "
+        f"Inputs: {scenario.model_bytes / 2**20:,.1f} MiB of float32 per model, merged in "
+        f"{scenario.merge_collectives} bucket{'s' if scenario.merge_collectives != 1 else ''}; "
         f"B = {scenario.tokens_per_step:,} tokens per step; {scenario.tokens_per_s:,.0f} tokens/s per process "
         f"({source}); fast link {scenario.fast.bandwidth * 8 / 1e9:g} Gbit/s and {scenario.fast.latency * 1e6:g} µs, "
         f"slow link latency {scenario.slow_latency * 1e3:g} ms (assumed). Model: `isoloco.bench.planning`.")
