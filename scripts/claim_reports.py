@@ -59,6 +59,11 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
                    *[(f"tune/small-dp-lr{lr}", "dp-s0", f"lr{lr}-") for lr in ("0.008", "0.004", "0.002", "0.001")]],
     # The outer-optimizer searches of scripts/strongest_baseline.sh: one sweep folder per setting.
     "strongest-search": [("main", "dp-s0", ""), ("strongest/*", "*-R*-H30-s0", "{sweep}-")],
+    # 3 seeds at each method's best outer setting from strongest-search (scripts/strongest_seeds.sh),
+    # beside dp, Iso-C and both methods at the preset's outer settings.
+    "strongest-seeds": [("main", "dp-s*", ""), ("main", "diloco-R*-H30-s*", ""), ("main", "isoloco-R*-H30-s*", ""),
+                        ("main", "isoc-R*-H30-s*", ""), *((f"strongest/{best}", "*-R*-H30-s*", "tuned-")
+                                                        for best in ("diloco-mu0.3-lr1.0", "isoloco-mu0.6-lr1.5"))],
     # Compressed and delayed pseudo-gradients (scripts/link_science.sh), one sweep folder per setting.
     "link-science": [("main", "dp-s*", ""), ("link/*", "*-R8-H30-s*", "{sweep}-")],
     "tune-muon-r8": [("main", "dp-s0", ""), ("main", "isoloco-R8-H30-s0", ""), ("tune/muon-r8", "*-R8-H30-s0", ""),
@@ -85,6 +90,20 @@ def link_view(root: Path, view: str) -> int:
 
 
 NS_RMS = "isoloco_fast merge.ortho=newton_schulz merge.scale=rms"
+
+
+#: Each method's best outer setting in strongest-search, as the strongest-seeds report labels it.
+TUNED_DILOCO, TUNED_ISOLOCO = "diloco outer.lr=1.0 outer.momentum=0.3", "isoloco outer.lr=1.5 outer.momentum=0.6"
+
+
+def link_label(method: str, quantize: str = "none", feedback: bool = False, overlap: int = 0) -> str:
+    """A run label of the link-science view, whose runs differ in these three settings."""
+    return f"{method} merge.error_feedback={feedback} merge.quantize={quantize} outer.overlap_steps={overlap}"
+
+
+#: scripts/link_science.sh's settings other than the exact one, as `link_label` arguments.
+LINK_SETTINGS = ({"quantize": "int8"}, {"quantize": "int8", "feedback": True}, {"quantize": "int4"},
+                 {"quantize": "int4", "feedback": True}, {"overlap": 5})
 #: folder -> the --compare pairs of its report (docs/claims.md quotes them).
 REPORTS: dict[str, list[str]] = {
     "main": ["isoloco:diloco", "isoloco:dp", "diloco:dp", "isoc:diloco", "isoloco:isoc", "isoloco_fast:isoloco",
@@ -106,6 +125,14 @@ REPORTS: dict[str, list[str]] = {
     "claim9": [f"isoloco {size}:diloco {size}" for size in ("inner.lr=0.016 model=tiny", "inner.lr=0.004 model=small")],
     "regime-r1": ["diloco_sgd outer.lr=1.0:dp", "diloco inner.grad_clip=0.0 inner.weight_decay=0.15:dp",
                   "diloco inner.grad_clip=1.0 inner.weight_decay=0.1:dp", "diloco_sgd outer.lr=1.6:dp"],
+    "strongest-seeds": [f"{TUNED_ISOLOCO}:{TUNED_DILOCO}", f"{TUNED_DILOCO}:dp", f"{TUNED_ISOLOCO}:dp",
+                        f"isoc:{TUNED_DILOCO}", f"{TUNED_ISOLOCO}:isoc",
+                        f"{TUNED_DILOCO}:diloco outer.lr=0.7 outer.momentum=0.9",
+                        f"{TUNED_ISOLOCO}:isoloco outer.lr=1.2 outer.momentum=0.9"],
+    # What each setting costs each method against its exact runs, then the two costs contrasted.
+    "link-science": [*(f"{link_label(m, **kw)}:{link_label(m)}" for kw in LINK_SETTINGS for m in ("isoloco", "diloco")),
+                     *(f"{link_label('isoloco', **kw)}:{link_label('isoloco')}::{link_label('diloco', **kw)}:"
+                       f"{link_label('diloco')}" for kw in LINK_SETTINGS)],
     "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [], "tune-small": [], "strongest-search": [],
 }
 
