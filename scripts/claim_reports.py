@@ -133,7 +133,7 @@ REPORTS: dict[str, list[str]] = {
     "link-science": [*(f"{link_label(m, **kw)}:{link_label(m)}" for kw in LINK_SETTINGS for m in ("isoloco", "diloco")),
                      *(f"{link_label('isoloco', **kw)}:{link_label('isoloco')}::{link_label('diloco', **kw)}:"
                        f"{link_label('diloco')}" for kw in LINK_SETTINGS)],
-    "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [], "tune-small": [], "strongest-search": [],
+    "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [], "tune-small": [], "strongest-search": [], "spectra": [],
 }
 
 

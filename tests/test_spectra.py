@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from isoloco.outer import OuterConfig, OuterStep
 from isoloco.model import build_model
 from isoloco.report import load_runs, write_report
 from isoloco.spectra import (QUANTITIES, disagreements, mean_pairwise_cosine, nonzero_singular_values, sigma_ratio,
-                             stable_rank, unit_sum, write_spectra_plots)
+                             read_spectra, stable_rank, unit_sum, write_spectra_plots)
 from isoloco.trainer import Trainer
 import helpers
 from helpers import SMALL_ARGS, final_params
@@ -257,6 +258,12 @@ def test_the_report_draws_heatmaps_and_the_disagreement_against_r_and_h(runs):
     assert all(f"(plots/{name})" in markdown for name in spectra_plots)
     write_report(sweep)  # the same bytes every time
     assert {name: (sweep / "plots" / name).read_bytes() for name in spectra_plots} == drawn
+    # The table of every run's means: one row per run, from its own metrics lines.
+    table = [line for line in (sweep / "spectra.md").read_text().splitlines() if line.startswith("| diloco-")]
+    assert [row.split(" | ")[0] for row in table] == ["| diloco-R2-H2-s0", "| diloco-R2-H3-s0", "| diloco-R4-H2-s0"]
+    rounds = read_spectra(sweep / "diloco-R4-H2-s0" / "metrics.jsonl")
+    first = statistics.fmean(r["disagreement"] for r in rounds[0][1].values() if r["disagreement"] is not None)
+    assert table[2].split(" | ")[5] == f"{first:.3f}"
 
 
 def test_runs_without_spectra_leave_the_report_unchanged(runs, tmp_path):
@@ -264,4 +271,5 @@ def test_runs_without_spectra_leave_the_report_unchanged(runs, tmp_path):
     assert write_spectra_plots(off, load_runs(off), tmp_path / "plots") == []
     write_report(off)
     assert not any(p.name.startswith(("spectra_", "disagreement_")) for p in (off / "plots").iterdir())
+    assert not (off / "spectra.md").exists()
     assert "spectra" not in (off / "results.md").read_text()

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 #: The metrics line's key of a round's measurements, and summary.json's key of their seconds.
 SPECTRA_KEY = "spectra"
 SECONDS_KEY = "spectra_s"
+#: The report's table of every run's spectra (`spectra_markdown`).
+SPECTRA_FILE = "spectra.md"
 
 #: What each matrix's record holds, in order.
 QUANTITIES = ("stable_rank", "sigma_ratio", "disagreement", "update_norm", "step_norm")
@@ -197,6 +199,39 @@ def mean_disagreement(rounds: list[tuple[int, dict[str, Record]]]) -> float | No
     return statistics.fmean(values) if values else None
 
 
+def round_means(rounds: list[tuple[int, dict[str, Record]]], quantity: str) -> list[float | None]:
+    """`quantity` averaged over the matrices that have it, round by round."""
+    means = []
+    for _, records in rounds:
+        values = [record[quantity] for record in records.values() if record.get(quantity) is not None]
+        means.append(statistics.fmean(values) if values else None)
+    return means
+
+
+def spectra_markdown(measured: list[tuple[RunResult, list[tuple[int, dict[str, Record]]]]]) -> str:
+    """One row per run that logged spectra: each quantity averaged over its matrices, in its
+    first and last synchronisation and over all of them."""
+    def cell(value: float | None) -> str:
+        return "—" if value is None else f"{value:.3f}"
+
+    rows = []
+    for run, rounds in sorted(measured, key=lambda item: (item[0].method, item[0].workers or 0,
+                                                          item[0].inner_steps or 0, item[0].seed)):
+        cells = [run.name, run.method, str(run.workers), str(run.inner_steps), str(len(rounds))]
+        for quantity in ("disagreement", "stable_rank", "sigma_ratio"):
+            per_round = [v for v in round_means(rounds, quantity) if v is not None]
+            cells += [cell(per_round[0] if per_round else None), cell(per_round[-1] if per_round else None),
+                      cell(statistics.fmean(per_round) if per_round else None)]
+        rows.append("| " + " | ".join(cells) + " |")
+    header = ["run", "method", "R", "H", "synchronisations"] + [
+        f"{q}: {when}" for q in ("disagreement", "stable rank", "σ_max/σ_mean") for when in ("first", "last", "mean")]
+    return "\n".join(["# Spectra", "", "Means over each run's matrices (2-D parameters) of what `log.spectra` "
+                      "logged: the workers' disagreement (mean pairwise cosine of their deltas), and the stable "
+                      "rank and σ_max/σ_mean of the merged pseudo-gradient, in the first and last "
+                      "synchronisation and over all of them.", "", "## Per run", "",
+                      "| " + " | ".join(header) + " |", "|" + "---|" * len(header), *rows]) + "\n"
+
+
 def _short(name: str) -> str:
     return name.removeprefix("model.").removesuffix(".weight")
 
@@ -286,6 +321,7 @@ def write_spectra_plots(directory: Path, runs: list[RunResult], folder: Path) ->
         fig.savefig(folder / file, dpi=110, metadata={"Software": None})
         written.append((file, caption))
 
+    (directory / SPECTRA_FILE).write_text(spectra_markdown(measured))
     with matplotlib.style.context("default"):
         for run, rounds in measured:
             save(_heatmaps(run.name, rounds), f"spectra_{run.name}.png",
