@@ -278,7 +278,7 @@ class DiLoCo(Algorithm):
         # With overlap, the synchronisation in flight at a round's end is counted in the round
         # it lands in. Link counts differ between processes (shard_map): averaged over them.
         metrics: dict[str, Any] = {"bytes_per_worker": self.bytes_per_worker,
-                                   **dict(zip(LINK_COUNTS, self.dist.mean(self.link_counts).tolist())),
+                                   **self.dist.mean_link_counts(self.link_counts),
                                    "sync_s": self.sync_s, "sync_exposed_s": self.sync_exposed_s}
         if self.dropped:
             metrics["dropped_workers"] = self.dropped

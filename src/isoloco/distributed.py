@@ -543,7 +543,11 @@ class Distributed:
         """`comm`'s link counts (`LINK_COUNTS`) since its last `reset_link_bytes` (which this
         calls), averaged over all processes: `shard_map`'s broadcasts leave each process a
         different share of the bytes. A collective: every process must call it."""
-        return dict(zip(LINK_COUNTS, self.mean(comm.reset_link_bytes()).tolist()))
+        return self.mean_link_counts(comm.reset_link_bytes())
+
+    def mean_link_counts(self, counts: torch.Tensor) -> dict[str, float]:
+        """Link counts (`LINK_COUNTS` order) averaged over all processes, by name. A collective."""
+        return dict(zip(LINK_COUNTS, self.mean(counts).tolist()))
 
     def max(self, value: float) -> float:
         """The largest `value` of all processes: decisions every process must take together."""
