@@ -13,7 +13,7 @@ Two changes made the merge cheap at many workers, and this measures both on the 
   errors of that mean (z): an unbiased merge with the stated variance gives a mean z² of 1
   and |z| > 3 in 0.27% of the entries.
 
-    OMP_NUM_THREADS=1 python scripts/scale_fidelity.py --workers 2,4,8,16
+    OMP_NUM_THREADS=1 python scripts/scale_fidelity.py --workers 2,4,8,16 --power-iters 0,1,2,3
 """
 
 from __future__ import annotations
@@ -26,16 +26,17 @@ from isoloco import merge, rules
 from fidelity_effects import real_deltas, relative
 
 
-def factor_rows(workers: list[int], seed: int) -> None:
-    print("| R | TSV, auto − exact | TSV, randomized − exact | Iso-CTS, auto − exact | Iso-CTS, randomized − exact |")
-    print("|---|---|---|---|---|")
+def factor_rows(workers: list[int], power_iters: list[int], seed: int) -> None:
+    print("| R | subspace iterations | TSV, auto − exact | TSV, randomized − exact | Iso-CTS, auto − exact "
+          "| Iso-CTS, randomized − exact |")
+    print("|---|---|---|---|---|---|")
     for count in workers:
         matrices = [d for d in real_deltas(count, 2, seed).values() if d[0].ndim == 2]
-        cells = []
-        for rule in (merge.tsv, merge.iso_cts):
-            exact = [rule(d, factors="exact") for d in matrices]
-            cells += [f"{relative([rule(d, factors=f) for d in matrices], exact):.1e}" for f in ("auto", "randomized")]
-        print(f"| {count} | " + " | ".join(cells) + " |")
+        exact = {rule: [rule(d, factors="exact") for d in matrices] for rule in (merge.tsv, merge.iso_cts)}
+        for iters in power_iters:
+            cells = [f"{relative([rule(d, factors=f, power_iters=iters) for d in matrices], exact[rule]):.1e}"
+                     for rule in exact for f in ("auto", "randomized")]
+            print(f"| {count} | {iters} | " + " | ".join(cells) + " |", flush=True)
 
 
 def dare_rows(workers: list[int], seed: int, draws: int, drop_rate: float = 0.1) -> None:
@@ -65,13 +66,16 @@ def dare_rows(workers: list[int], seed: int, draws: int, drop_rate: float = 0.1)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="2,4,8,16", help="values of R, comma-separated")
+    parser.add_argument("--power-iters", default=str(merge.MergeConfig.power_iters),
+                        help="the range finder's subspace iterations (merge.power_iters), comma-separated")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--draws", type=int, default=40, help="DARE: seeds whose merges are averaged")
+    parser.add_argument("--draws", type=int, default=40, help="DARE: seeds whose merges are averaged (0: no DARE table)")
     args = parser.parse_args()
     workers = [int(r) for r in args.workers.split(",")]
-    factor_rows(workers, args.seed)
-    print()
-    dare_rows(workers, args.seed, args.draws)
+    factor_rows(workers, [int(q) for q in args.power_iters.split(",")], args.seed)
+    if args.draws:
+        print()
+        dare_rows(workers, args.seed, args.draws)
 
 
 if __name__ == "__main__":

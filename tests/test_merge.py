@@ -660,6 +660,27 @@ def test_randomized_factors_match_the_exact_ones_where_auto_takes_them():
     assert torch.equal(merge.tsv(two, factors="auto"), merge.tsv(two, factors="exact"))
 
 
+@pytest.mark.parametrize("shape", [(48, 40), (48, 48)])
+def test_the_polar_factor_beside_an_orthonormal_block_is_the_whole_one(shape):
+    """Iso-CTS's U: [U_c, U_w] with U_w outside U_c's span. Orthogonalising only U_w (what
+    every method but exact does) gives the polar factor of the whole, columns null where U_w
+    has a null direction; exact orthogonalises the whole and agrees to float32 rounding."""
+    from isoloco.ortho import FactorSettings
+
+    g = torch.Generator().manual_seed(0)
+    rows, cols = shape
+    common = torch.linalg.qr(torch.randn(rows, 24, generator=g))[0]
+    extra = torch.randn(rows, cols - 24, generator=g)
+    extra = extra - common @ (common.T @ extra)  # outside U_c, as a projected residual's directions are
+    extra[:, -1] = 0  # a null direction
+    whole = FactorSettings(method="exact").polar(torch.cat([common, extra], 1))
+    for method in ("auto", "randomized", "exact"):
+        beside = FactorSettings(method=method).polar_beside(common, extra)
+        torch.testing.assert_close(beside, whole, atol=1e-5, rtol=0)
+    assert torch.equal(FactorSettings().polar_beside(common, extra)[:, :24], common)
+    assert FactorSettings().polar_beside(common, extra)[:, -1].abs().max() == 0
+
+
 # ---------------------------------------------------------------------- compressed sums
 
 

@@ -410,9 +410,10 @@ def dare(deltas: Sequence[torch.Tensor], drop_rate: float = MergeConfig.drop_rat
     return _merge_in_process(deltas, MergeConfig(rule="dare", drop_rate=drop_rate), seed)
 
 
-def tsv(deltas: Sequence[torch.Tensor], factors: str = MergeConfig.factors) -> torch.Tensor:
+def tsv(deltas: Sequence[torch.Tensor], factors: str = MergeConfig.factors,
+        power_iters: int = MergeConfig.power_iters) -> torch.Tensor:
     """Task Singular Vectors merge (2-D tensors; others take the mean)."""
-    return _merge_in_process(deltas, MergeConfig(rule="tsv", factors=factors))
+    return _merge_in_process(deltas, MergeConfig(rule="tsv", factors=factors, power_iters=power_iters))
 
 
 def iso_c(deltas: Sequence[torch.Tensor], settings: IsoSettings = IsoSettings()) -> torch.Tensor:
@@ -421,6 +422,7 @@ def iso_c(deltas: Sequence[torch.Tensor], settings: IsoSettings = IsoSettings())
 
 
 def iso_cts(deltas: Sequence[torch.Tensor], common_fraction: float = MergeConfig.common_fraction,
-            factors: str = MergeConfig.factors) -> torch.Tensor:
+            factors: str = MergeConfig.factors, power_iters: int = MergeConfig.power_iters) -> torch.Tensor:
     """Iso-CTS merge (2-D tensors; others take the mean)."""
-    return _merge_in_process(deltas, MergeConfig(rule="iso_cts", common_fraction=common_fraction, factors=factors))
+    return _merge_in_process(deltas, MergeConfig(rule="iso_cts", common_fraction=common_fraction, factors=factors,
+                                                 power_iters=power_iters))

@@ -542,6 +542,16 @@ class FactorSettings:
         faster exact route for the shape (`polar_auto`)."""
         return (polar_svd(matrix) if self.method == "exact" else polar_auto(matrix)).factor
 
+    def polar_beside(self, orthonormal: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        """The polar factor of [L, X] for L with orthonormal columns and X's columns outside
+        L's span (Iso-CTS's common and residual directions): [L, polar(X)], since their Gram
+        matrix is block diagonal. X is projected off L first, so rounding in how it was found
+        does not leak in. ``exact`` orthogonalises the whole [L, X] instead, as the paper's
+        code does."""
+        if self.method == "exact":
+            return self.polar(torch.cat([orthonormal, extra], -1))
+        return torch.cat([orthonormal, self.polar(_project_out(extra, orthonormal))], -1)
+
     def randomized(self, k: int, rank: int) -> bool:
         """Whether the top `k` of a rank-`rank` matrix come from the range finder."""
         wanted = self.method == "randomized" or (self.method == "auto" and RANDOMIZED_MAX_FRACTION * k <= rank)
@@ -571,12 +581,15 @@ def _randomized_svd(matrix: torch.Tensor, columns: int, power_iters: int,
     """
     a = matrix.to(torch.promote_types(matrix.dtype, torch.float32))
     probe = torch.randn(a.shape[-1], columns, generator=torch.Generator().manual_seed(0), dtype=a.dtype)
-    # QR completes a rank-deficient block with arbitrary columns, which need not lie in the
-    # range of I − L Lᵀ: the basis is projected again before every product with aᵀ.
     basis = _orthonormal_columns(_project_out(a @ probe.to(a.device), left_out))
     for _ in range(power_iters):
-        row_basis = _orthonormal_columns(a.mT @ _project_out(basis, left_out))
+        # Inside the iteration the basis needs no second projection: its columns spanning
+        # M's range already lie in the range of I − L Lᵀ, and any others QR added to complete
+        # a rank-deficient block only widen the subspace searched.
+        row_basis = _orthonormal_columns(a.mT @ basis)
         basis = _orthonormal_columns(_project_out(a @ row_basis, left_out))
+    # The last product is projected: columns QR added need not lie in the range of I − L Lᵀ,
+    # and here they would carry L's directions into the factors.
     u_small, s, vh = _svd((a.mT @ _project_out(basis, left_out)).mT)
     return (basis @ u_small).to(matrix.dtype), s.to(matrix.dtype), vh.to(matrix.dtype)
 

@@ -257,11 +257,15 @@ def iso_cts_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]
         u, s, vh = knobs.factors.full_svd(total.div_(workers))
         return u[:, :common], s[:common], vh[:common].mT
 
-    def finish(u, s, v):
-        return _assemble(u, s.mean().expand(rank), v, knobs.factors)
+    def isotropic(u_polar, s, v):
+        return (u_polar * s.mean()) @ knobs.factors.polar(v).mT
+
+    def common_only(total, state):
+        u, s, v = common_block(total, state)
+        return isotropic(knobs.factors.polar(u), s, v)
 
     phases = [Phase("sum", tuple(shape), lambda buffer, delta, slot, state: _put(buffer, delta, slot),
-                    common_block if per_worker else lambda total, state: finish(*common_block(total, state)))]
+                    common_block if per_worker else common_only)]
     if per_worker:
         def residual_factors(buffer, delta, slot, block):
             # The residual Δ_r/R − U_c U_cᵀ Δ_r/R; it is judged null against its delta
@@ -272,8 +276,9 @@ def iso_cts_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]
         def join(stacked, block):
             u_w, s_w, v_w = _unpack(stacked, rows)
             u_c, s_c, v_c = block
-            # The workers' blocks are stacked after the common one.
-            return finish(torch.cat([u_c, u_w], 1), torch.cat([s_c, s_w]), torch.cat([v_c, v_w], 1))
+            # The workers' blocks are stacked after the common one; their U lies outside U_c's
+            # span (the residual was projected off it), so only theirs needs orthogonalising.
+            return isotropic(knobs.factors.polar_beside(u_c, u_w), torch.cat([s_c, s_w]), torch.cat([v_c, v_w], 1))
 
         phases.append(Phase("gather", (rows + 1 + cols, per_worker), residual_factors, join))
     return phases
