@@ -66,9 +66,16 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
                                                         for best in ("diloco-mu0.3-lr1.0", "isoloco-mu0.6-lr1.5"))],
     # Compressed and delayed pseudo-gradients (scripts/link_science.sh), one sweep folder per setting.
     "link-science": [("main", "dp-s*", ""), ("link/*", "*-R8-H30-s*", "{sweep}-")],
+    # IsoLoCo's first rounds against the budget, and its robust variants (scripts/early_budget.sh):
+    # the `quick` runs of every budget in one view (dp pairs by budget), repro-cpu's in another.
+    "early-quick": [("early-budget/steps*", "*-s*", "{sweep}-")],
+    "early-long": [("main", "dp-s[012]", ""), ("main", "isoloco-R8-H30-s[012]", ""),
+                   ("early-budget/repro-cpu-*", "*-R8-H30-s*", "{sweep}-")],
+    # 1,800 steps instead of 480 (scripts/long_horizon.sh).
+    "long-horizon": [("long-horizon/*", "*-s*", "{sweep}-")],
     "tune-muon-r8": [("main", "dp-s0", ""), ("main", "isoloco-R8-H30-s0", ""), ("tune/muon-r8", "*-R8-H30-s0", ""),
                      *[(f"tune/isoloco_muon-lr{lr}", "isoloco_muon-*", f"lr{lr}-") for lr in ("0.4", "0.7", "1.2")],
-                     *[(f"tune/muloco-lr{lr}", "muloco-*", f"lr{lr}-") for lr in ("0.4", "1.0")]],
+                     *[(f"tune/muloco-lr{lr}", "muloco-*", f"lr{lr}-") for lr in ("0.4", "1.0", "1.4", "2.0")]],
 }
 
 
@@ -101,6 +108,14 @@ def link_label(method: str, quantize: str = "none", feedback: bool = False, over
     return f"{method} merge.error_feedback={feedback} merge.quantize={quantize} outer.overlap_steps={overlap}"
 
 
+def early_label(steps: int | None = 60, power: float = 0.0, floor: float = 0.0, exclude: str = "") -> str:
+    """An IsoLoCo run label of the early-rounds views (steps=None: repro-cpu's, one budget)."""
+    budget = "" if steps is None else f" steps={steps}"
+    return f"isoloco merge.exclude={exclude} merge.iso_floor={floor} merge.iso_power={power}{budget}"
+
+
+#: scripts/early_budget.sh's variants, as `early_label` arguments.
+EARLY_VARIANTS = ({"power": 0.5}, {"floor": 0.1}, {"exclude": "*embed_tokens*,lm_head.weight"})
 #: scripts/link_science.sh's settings other than the exact one, as `link_label` arguments.
 LINK_SETTINGS = ({"quantize": "int8"}, {"quantize": "int8", "feedback": True}, {"quantize": "int4"},
                  {"quantize": "int4", "feedback": True}, {"overlap": 5})
@@ -133,6 +148,14 @@ REPORTS: dict[str, list[str]] = {
     "link-science": [*(f"{link_label(m, **kw)}:{link_label(m)}" for kw in LINK_SETTINGS for m in ("isoloco", "diloco")),
                      *(f"{link_label('isoloco', **kw)}:{link_label('isoloco')}::{link_label('diloco', **kw)}:"
                        f"{link_label('diloco')}" for kw in LINK_SETTINGS)],
+    # IsoLoCo against DiLoCo and dp at every budget, then each variant at the short budget and
+    # the long one against plain IsoLoCo, and the variant that helped against DiLoCo and dp.
+    "early-quick": [*(f"{early_label(steps)}:{base} steps={steps}" for steps in (60, 120, 210)
+                      for base in ("diloco", "dp")),
+                    *(f"{early_label(**kw)}:{early_label()}" for kw in EARLY_VARIANTS),
+                    f"{early_label(power=0.5)}:diloco steps=60", f"{early_label(power=0.5)}:dp steps=60"],
+    "early-long": [f"{early_label(None, **kw)}:{early_label(None)}" for kw in EARLY_VARIANTS],
+    "long-horizon": ["isoloco:diloco", "diloco:dp", "isoloco:dp"],
     "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [], "tune-small": [], "strongest-search": [], "spectra": [],
 }
 
