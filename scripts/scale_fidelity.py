@@ -13,7 +13,7 @@ Two changes made the merge cheap at many workers, and this measures both on the 
   errors of that mean (z): an unbiased merge with the stated variance gives a mean z² of 1
   and |z| > 3 in 0.27% of the entries.
 
-    OMP_NUM_THREADS=1 python scripts/scale_fidelity.py --workers 2,4,8,16 --power-iters 0,1,2,3
+    OMP_NUM_THREADS=1 python scripts/scale_fidelity.py --workers 2,4,8,16 --power-iters 1,2,3
 """
 
 from __future__ import annotations

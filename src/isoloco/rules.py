@@ -203,9 +203,10 @@ def _unpack(stacked: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tenso
     return joined[:rows], joined[rows], joined[rows + 1:]
 
 
-def _assemble(u: torch.Tensor, s: torch.Tensor, v: torch.Tensor, factors: FactorSettings) -> torch.Tensor:
-    """U⊥ diag(s) V⊥ᵀ with U⊥, V⊥ the polar factors of the stacked singular vectors."""
-    return (factors.polar(u) * s) @ factors.polar(v).mT
+def _assemble(u_polar: torch.Tensor, s: torch.Tensor, v: torch.Tensor, factors: FactorSettings) -> torch.Tensor:
+    """U⊥ diag(s) V⊥ᵀ from U⊥ (the stacked U, already orthogonalised) and V⊥ the polar factor of
+    the stacked singular vectors `v`; `s` is one value per column, or one for all."""
+    return (u_polar * s) @ factors.polar(v).mT
 
 
 def tsv_components(rank: int, workers: int) -> int:
@@ -225,7 +226,11 @@ def tsv_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]:
     def factors(buffer, delta, slot, state):
         buffer.copy_(_pack(*top_factors(delta, k, knobs.factors)))
 
-    return [Phase("gather", (rows + 1 + cols, k), factors, lambda stacked, state: _assemble(*_unpack(stacked, rows), knobs.factors))]
+    def join(stacked, state):
+        u, s, v = _unpack(stacked, rows)
+        return _assemble(knobs.factors.polar(u), s, v, knobs.factors)
+
+    return [Phase("gather", (rows + 1 + cols, k), factors, join)]
 
 
 def iso_cts_split(rank: int, workers: int, common_fraction: float) -> tuple[int, int]:
@@ -257,12 +262,9 @@ def iso_cts_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]
         u, s, vh = knobs.factors.full_svd(total.div_(workers))
         return u[:, :common], s[:common], vh[:common].mT
 
-    def isotropic(u_polar, s, v):
-        return (u_polar * s.mean()) @ knobs.factors.polar(v).mT
-
     def common_only(total, state):
         u, s, v = common_block(total, state)
-        return isotropic(knobs.factors.polar(u), s, v)
+        return _assemble(knobs.factors.polar(u), s.mean(), v, knobs.factors)
 
     phases = [Phase("sum", tuple(shape), lambda buffer, delta, slot, state: _put(buffer, delta, slot),
                     common_block if per_worker else common_only)]
@@ -278,7 +280,8 @@ def iso_cts_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]
             u_c, s_c, v_c = block
             # The workers' blocks are stacked after the common one; their U lies outside U_c's
             # span (the residual was projected off it), so only theirs needs orthogonalising.
-            return isotropic(knobs.factors.polar_beside(u_c, u_w), torch.cat([s_c, s_w]), torch.cat([v_c, v_w], 1))
+            return _assemble(knobs.factors.polar_beside(u_c, u_w), torch.cat([s_c, s_w]).mean(),
+                             torch.cat([v_c, v_w], 1), knobs.factors)
 
         phases.append(Phase("gather", (rows + 1 + cols, per_worker), residual_factors, join))
     return phases
