@@ -4,16 +4,18 @@ Two changes made the merge cheap at many workers, and this measures both on the 
 (repro-cpu's batch, H and inner lr; the deltas of round 2, as `fidelity_effects.py` takes them):
 
 * TSV and Iso-CTS find each worker's top directions with a randomized range finder where a
-  worker keeps at most 1/16 of the rank (`merge.factors=auto`). Printed: the relative
-  difference ‖ours − exact‖ / ‖exact‖ over all matrices, for `auto` (what runs by default)
-  and for `randomized` everywhere, against `merge.factors=exact` (the full SVDs, as before).
+  worker keeps at most 1/16 of the rank (`merge.factors=auto`), its early iterations in
+  bfloat16 or float32 (`merge.finder_dtype`). Printed: the relative difference
+  ‖ours − exact‖ / ‖exact‖ over all matrices, for `auto` (what runs by default) and for
+  `randomized` everywhere, against `merge.factors=exact` (the full SVDs, as before).
 * DARE's masks come from a counter-based hash instead of torch's CPU generator. Printed: the
   fraction of entries kept over every worker's mask of every tensor (expected 1 − p), and the
   mean of the merge over many seeds against the plain mean, entry by entry in standard
   errors of that mean (z): an unbiased merge with the stated variance gives a mean z² of 1
   and |z| > 3 in 0.27% of the entries.
 
-    OMP_NUM_THREADS=1 python scripts/scale_fidelity.py --workers 2,4,8,16 --power-iters 1,2,3
+    OMP_NUM_THREADS=1 python scripts/scale_fidelity.py --workers 2,4,8,16 --power-iters 1,2,3 \
+        --finder-dtypes bfloat16,float32
 """
 
 from __future__ import annotations
@@ -26,17 +28,19 @@ from isoloco import merge, rules
 from fidelity_effects import real_deltas, relative
 
 
-def factor_rows(workers: list[int], power_iters: list[int], seed: int) -> None:
-    print("| R | subspace iterations | TSV, auto − exact | TSV, randomized − exact | Iso-CTS, auto − exact "
-          "| Iso-CTS, randomized − exact |")
-    print("|---|---|---|---|---|---|")
+def factor_rows(workers: list[int], power_iters: list[int], finder_dtypes: list[str], seed: int) -> None:
+    print("| R | subspace iterations | early iterations in | TSV, auto − exact | TSV, randomized − exact "
+          "| Iso-CTS, auto − exact | Iso-CTS, randomized − exact |")
+    print("|---|---|---|---|---|---|---|")
     for count in workers:
         matrices = [d for d in real_deltas(count, 2, seed).values() if d[0].ndim == 2]
         exact = {rule: [rule(d, factors="exact") for d in matrices] for rule in (merge.tsv, merge.iso_cts)}
         for iters in power_iters:
-            cells = [f"{relative([rule(d, factors=f, power_iters=iters) for d in matrices], exact[rule]):.1e}"
-                     for rule in exact for f in ("auto", "randomized")]
-            print(f"| {count} | {iters} | " + " | ".join(cells) + " |", flush=True)
+            for dtype in finder_dtypes:
+                settings = dict(power_iters=iters, finder_dtype=dtype)
+                cells = [f"{relative([rule(d, factors=f, **settings) for d in matrices], exact[rule]):.1e}"
+                         for rule in exact for f in ("auto", "randomized")]
+                print(f"| {count} | {iters} | {dtype} | " + " | ".join(cells) + " |", flush=True)
 
 
 def dare_rows(workers: list[int], seed: int, draws: int, drop_rate: float = 0.1) -> None:
@@ -68,11 +72,13 @@ def main() -> None:
     parser.add_argument("--workers", default="2,4,8,16", help="values of R, comma-separated")
     parser.add_argument("--power-iters", default=str(merge.MergeConfig.power_iters),
                         help="the range finder's subspace iterations (merge.power_iters), comma-separated")
+    parser.add_argument("--finder-dtypes", default="bfloat16,float32",
+                        help="precisions of the early iterations (merge.finder_dtype), comma-separated")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--draws", type=int, default=40, help="DARE: seeds whose merges are averaged (0: no DARE table)")
     args = parser.parse_args()
     workers = [int(r) for r in args.workers.split(",")]
-    factor_rows(workers, [int(q) for q in args.power_iters.split(",")], args.seed)
+    factor_rows(workers, [int(q) for q in args.power_iters.split(",")], args.finder_dtypes.split(","), args.seed)
     if args.draws:
         print()
         dare_rows(workers, args.seed, args.draws)

@@ -24,7 +24,17 @@ def test_interleaved_runs_every_case_warmup_plus_repeats_times_in_turns():
     timings = interleaved({"a": lambda: calls.append("a") or 1, "b": lambda: calls.append("b") or 2}, repeats=2)
     assert calls == ["a", "b", "a", "b", "b", "a"]  # warm-up, then every other repeat reversed
     assert timings["a"].result == 1 and timings["b"].result == 2
-    assert all(t.median >= 0 for t in timings.values())
+    assert all(t.median >= 0 and len(t.samples) == 2 for t in timings.values())
+
+
+def test_merge_seconds_are_per_repeat_rounds_of_every_rule():
+    from collections import Counter
+
+    from isoloco.bench import scale
+
+    seconds = scale.merge_seconds(Counter({(24, 16): 3, (16, 40): 1}), workers=4, repeats=2, device="cpu")
+    assert set(seconds) == set(scale.RULE_NAMES)
+    assert all(len(rounds) == 2 and all(positive_finite(s) for s in rounds) for rounds in seconds.values())
 
 
 def test_table_renders_markdown_and_refuses_ragged_rows():

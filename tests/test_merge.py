@@ -549,6 +549,7 @@ def test_registry_matches_config_choices():
         (dict(factors="svd"), "merge.factors"),
         (dict(oversample=-1), "merge.oversample"),
         (dict(power_iters=-2), "merge.power_iters"),
+        (dict(finder_dtype="float16"), "merge.finder_dtype"),
         (dict(bucket_mb=0), "merge.bucket_mb"),
     ],
 )
@@ -569,6 +570,7 @@ def test_default_config_is_valid_and_corrects_every_matrix():
     ("merge.factors=lanczos", "merge.factors='lanczos'"),
     ("merge.oversample=-4", "merge.oversample=-4"),
     ("merge.power_iters=-1", "merge.power_iters=-1"),
+    ("merge.finder_dtype=half", "merge.finder_dtype='half'"),
 ])
 def test_bad_engine_settings_exit_2_with_one_line_before_any_work(tmp_path, capsys, arg, needle):
     from isoloco.cli import main
@@ -639,10 +641,12 @@ def test_one_collective_per_bucket_and_phase():
         assert calls == expected, rule
 
 
-def test_randomized_factors_match_the_exact_ones_where_auto_takes_them():
+@pytest.mark.parametrize("finder_dtype", ["bfloat16", "float32"])
+def test_randomized_factors_match_the_exact_ones_where_auto_takes_them(finder_dtype):
     """A worker keeping at most 1/16 of the rank: the range finder's merge is the exact one
     to well within 1e-3 on deltas with decaying spectra (a shared part plus each worker's
-    own directions); where a worker keeps more, auto is the exact path itself."""
+    own directions), whether its early iterations run in bfloat16 or not; where a worker
+    keeps more, auto is the exact path itself."""
     g = torch.Generator().manual_seed(0)
 
     def decaying(rows: int, cols: int, rate: float) -> torch.Tensor:
@@ -654,31 +658,58 @@ def test_randomized_factors_match_the_exact_ones_where_auto_takes_them():
     deltas = [shared + 0.5 * decaying(96, 80, 0.7) for _ in range(16)]
     for rule in (merge.tsv, merge.iso_cts):
         exact = rule(deltas, factors="exact")
-        relative = (rule(deltas, factors="auto") - exact).norm() / exact.norm()
+        relative = (rule(deltas, factors="auto", finder_dtype=finder_dtype) - exact).norm() / exact.norm()
         assert 0 < relative < 1e-4, (rule.__name__, relative)
     two = deltas[:2]  # k = 40 of 80: auto takes the full SVD
     assert torch.equal(merge.tsv(two, factors="auto"), merge.tsv(two, factors="exact"))
 
 
-@pytest.mark.parametrize("shape", [(48, 40), (48, 48)])
-def test_the_polar_factor_beside_an_orthonormal_block_is_the_whole_one(shape):
-    """Iso-CTS's U: [U_c, U_w] with U_w outside U_c's span. Orthogonalising only U_w (what
-    every method but exact does) gives the polar factor of the whole, columns null where U_w
-    has a null direction; exact orthogonalises the whole and agrees to float32 rounding."""
-    from isoloco.ortho import FactorSettings
+@pytest.mark.parametrize("shape", [(200, 120), (120, 200)])
+def test_early_iterations_in_bfloat16_differ_from_float32_ones_only_by_rounding(shape):
+    """The range finder's bfloat16 iterations (which re-orthonormalise only the short side)
+    change which basis the last, float32 one starts from, not what it converges to: the
+    factors agree far below the 1e-3 bar, on tall and wide matrices."""
+    from isoloco.ortho import FactorSettings, top_factors
+
+    g = torch.Generator().manual_seed(1)
+    u = torch.linalg.qr(torch.randn(shape[0], 48, generator=g))[0]
+    v = torch.linalg.qr(torch.randn(shape[1], 48, generator=g))[0]
+    matrix = (u * 0.85 ** torch.arange(48.0)) @ v.T + 1e-3 * torch.randn(shape, generator=g)
+    low, full = (top_factors(matrix, 6, FactorSettings("randomized", finder_dtype=d)) for d in ("bfloat16", "float32"))
+    product = [(f[0] * f[1]) @ f[2].T for f in (low, full)]
+    assert 0 < (product[0] - product[1]).norm() / product[1].norm() < 1e-5
+    torch.testing.assert_close(low[1], full[1], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(48, 40), (48, 48), (200, 120)])
+@pytest.mark.parametrize("outside", [True, False])
+def test_the_polar_factor_beside_an_orthonormal_block_is_the_whole_one(shape, outside):
+    """Iso-CTS's stacked singular vectors: an orthonormal common block L (here with one zero
+    column, a null direction of the mean) beside the workers' X. X outside L's span (the U
+    side: each residual was projected off U_c) or not (the V side), with a null column and a
+    column inside L's span: the small problem every method but exact solves gives the whole
+    [L, X]'s polar factor; exact orthogonalises the whole and agrees to float32 rounding."""
+    from isoloco.ortho import FactorSettings, polar_svd
 
     g = torch.Generator().manual_seed(0)
     rows, cols = shape
-    common = torch.linalg.qr(torch.randn(rows, 24, generator=g))[0]
-    extra = torch.randn(rows, cols - 24, generator=g)
-    extra = extra - common @ (common.T @ extra)  # outside U_c, as a projected residual's directions are
-    extra[:, -1] = 0  # a null direction
-    whole = FactorSettings(method="exact").polar(torch.cat([common, extra], 1))
+    common = torch.linalg.qr(torch.randn(rows, cols * 3 // 5, generator=g, dtype=torch.float64))[0]
+    common[:, 3] = 0
+    extra = torch.randn(rows, cols - common.shape[1], generator=g, dtype=torch.float64)
+    if outside:
+        extra = extra - common @ (common.T @ extra)
+    else:
+        extra[:, 0] = 2 * common[:, 0] - common[:, 1]
+    extra[:, -1] = 0
+    whole = polar_svd(torch.cat([common, extra], 1)).factor
     for method in ("auto", "randomized", "exact"):
-        beside = FactorSettings(method=method).polar_beside(common, extra)
-        torch.testing.assert_close(beside, whole, atol=1e-5, rtol=0)
-    assert torch.equal(FactorSettings().polar_beside(common, extra)[:, :24], common)
-    assert FactorSettings().polar_beside(common, extra)[:, -1].abs().max() == 0
+        beside = FactorSettings(method=method).polar_beside(common.float(), extra.float())
+        torch.testing.assert_close(beside.double(), whole, atol=1e-5, rtol=0)
+    exact64 = FactorSettings().polar_beside(common, extra)
+    torch.testing.assert_close(exact64, whole, atol=1e-12, rtol=0)
+    assert exact64[:, 3].abs().max() < 1e-14 and exact64[:, -1].abs().max() < 1e-14  # null stays null
+    if outside:
+        assert torch.equal(exact64[:, :common.shape[1]], common)
 
 
 # ---------------------------------------------------------------------- compressed sums

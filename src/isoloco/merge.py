@@ -36,8 +36,8 @@ import torch
 from isoloco.comm import Communicator, LocalCommunicator, buckets, nbytes
 from isoloco.configbase import check_at_least, check_choices, check_positive, check_range, option
 from isoloco.errors import ConfigError, NonFiniteDeltaError
-from isoloco.ortho import (FACTOR_METHODS, NS_DTYPES, POLAR_METHODS, SCALE_METHODS, FactorSettings, IsoSettings,
-                           spectrum_knob_problem)
+from isoloco.ortho import (FACTOR_METHODS, FINDER_DTYPES, NS_DTYPES, POLAR_METHODS, SCALE_METHODS, FactorSettings,
+                           IsoSettings, spectrum_knob_problem)
 from isoloco.quantize import (FORMATS, SCALE_GROUPS, Quantization, Wire, compress_with_feedback, dequantize,
                               quantize, wire_nbytes)
 from isoloco.rules import RULES, Knobs, Phase, WorkerSlot, mask_key, mean_phases
@@ -88,6 +88,11 @@ class MergeConfig:
         "the rank, exact elsewhere)", choices=FACTOR_METHODS)
     oversample: int = option(FactorSettings.oversample, "factors=randomized: extra columns beyond the k wanted")
     power_iters: int = option(FactorSettings.power_iters, "factors=randomized: subspace iterations")
+    finder_dtype: str = option(
+        FactorSettings.finder_dtype,
+        "factors=randomized: precision of every subspace iteration but the last (the last and the final product "
+        "run in float32): auto (bfloat16 where the device multiplies it natively, else float32), bfloat16 or "
+        "float32", choices=FINDER_DTYPES)
     quantize: str = option(
         "none", "what crosses the slow link: each worker's pseudo-gradient as float32 (none), or compressed to "
                 "bfloat16, int8 or int4 codes with absmax scales (mean and Iso-C rules only)", choices=FORMATS)
@@ -147,7 +152,7 @@ class MergeConfig:
     def knobs(self) -> Knobs:
         """The settings the rules read."""
         return Knobs(self.density, self.drop_rate, self.common_fraction, self.iso,
-                     FactorSettings(self.factors, self.oversample, self.power_iters))
+                     FactorSettings(self.factors, self.oversample, self.power_iters, self.finder_dtype))
 
     def excludes(self, name: str) -> bool:
         """Whether parameter `name` matches one of the `exclude` patterns."""
@@ -411,9 +416,10 @@ def dare(deltas: Sequence[torch.Tensor], drop_rate: float = MergeConfig.drop_rat
 
 
 def tsv(deltas: Sequence[torch.Tensor], factors: str = MergeConfig.factors,
-        power_iters: int = MergeConfig.power_iters) -> torch.Tensor:
+        power_iters: int = MergeConfig.power_iters, finder_dtype: str = MergeConfig.finder_dtype) -> torch.Tensor:
     """Task Singular Vectors merge (2-D tensors; others take the mean)."""
-    return _merge_in_process(deltas, MergeConfig(rule="tsv", factors=factors, power_iters=power_iters))
+    return _merge_in_process(deltas, MergeConfig(rule="tsv", factors=factors, power_iters=power_iters,
+                                                 finder_dtype=finder_dtype))
 
 
 def iso_c(deltas: Sequence[torch.Tensor], settings: IsoSettings = IsoSettings()) -> torch.Tensor:
@@ -422,7 +428,8 @@ def iso_c(deltas: Sequence[torch.Tensor], settings: IsoSettings = IsoSettings())
 
 
 def iso_cts(deltas: Sequence[torch.Tensor], common_fraction: float = MergeConfig.common_fraction,
-            factors: str = MergeConfig.factors, power_iters: int = MergeConfig.power_iters) -> torch.Tensor:
+            factors: str = MergeConfig.factors, power_iters: int = MergeConfig.power_iters,
+            finder_dtype: str = MergeConfig.finder_dtype) -> torch.Tensor:
     """Iso-CTS merge (2-D tensors; others take the mean)."""
     return _merge_in_process(deltas, MergeConfig(rule="iso_cts", common_fraction=common_fraction, factors=factors,
-                                                 power_iters=power_iters))
+                                                 power_iters=power_iters, finder_dtype=finder_dtype))

@@ -266,7 +266,7 @@ def polar_gram(matrix: torch.Tensor) -> Polar:
     its singular vectors.
     """
     gram = _GramRoute(matrix)
-    factor = gram.tall @ ((gram.q * gram.inverse_sigma.unsqueeze(-2)) @ gram.q.mT).to(gram.tall.dtype)
+    factor = gram.tall @ gram.weights().to(gram.tall.dtype)
     factor = factor.mT if gram.transposed else factor
     return Polar(factor.to(matrix.dtype), gram.sigma.to(matrix.dtype))
 
@@ -283,6 +283,10 @@ class _GramRoute:
         self.sigma, self.q = _gram_eigen(tall, vectors=True)
         self.inverse_sigma = torch.where(self.sigma > 0, self.sigma.reciprocal(), torch.zeros_like(self.sigma))
         self.tall = tall.to(torch.promote_types(matrix.dtype, torch.float32))
+
+    def weights(self) -> torch.Tensor:
+        """W = Q Λ^{-1/2} Qᵀ (float64), so that polar(tall) = tall·W."""
+        return (self.q * self.inverse_sigma.unsqueeze(-2)) @ self.q.mT
 
 
 def singular_values(matrix: torch.Tensor) -> torch.Tensor:
@@ -517,6 +521,20 @@ def iso_correct(matrix: torch.Tensor, settings: IsoSettings = IsoSettings()) -> 
 FACTOR_METHODS = ("auto", "exact", "randomized")
 RANDOMIZED_MAX_FRACTION = 16
 
+#: The precision of the range finder's early iterations (all but the last), by the names configs
+#: use: ``auto`` is bfloat16 where the device multiplies it faster than float32, else float32.
+FINDER_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def fast_bfloat16(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 matrices natively: CUDA GPUs that support it, and
+    CPUs with AVX512-BF16 or AMX (elsewhere oneDNN emulates it, slower than float32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    # torch exposes these CPU feature checks only under private names; absent means no.
+    return device.type == "cpu" and any(getattr(torch.cpu, check, lambda: False)()
+                                        for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
 
 @dataclasses.dataclass(frozen=True)
 class FactorSettings:
@@ -525,12 +543,23 @@ class FactorSettings:
     method: str = "auto"  # a FACTOR_METHODS name
     oversample: int = 16  # extra columns of the randomized range finder beyond k
     power_iters: int = 3  # subspace iterations of the randomized range finder
+    finder_dtype: str = "auto"  # a FINDER_DTYPES name: the precision of all iterations but the last
 
     def __post_init__(self) -> None:
         if self.method not in FACTOR_METHODS:
             raise ValueError(f"method={self.method!r} is not allowed: choose one of {', '.join(FACTOR_METHODS)}")
         if self.oversample < 0 or self.power_iters < 0:
             raise ValueError(f"oversample={self.oversample} and power_iters={self.power_iters} must be >= 0")
+        if self.finder_dtype not in FINDER_DTYPES:
+            raise ValueError(f"finder_dtype={self.finder_dtype!r} is not allowed: choose one of "
+                             f"{', '.join(FINDER_DTYPES)}")
+
+    def early_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the range finder's early iterations run in on `device`."""
+        chosen = FINDER_DTYPES[self.finder_dtype]
+        if chosen is None:
+            return torch.bfloat16 if fast_bfloat16(device) else torch.float32
+        return chosen
 
     def full_svd(self, matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A thin SVD of all of `matrix` (Iso-CTS's common subspace): LAPACK's for ``exact``,
@@ -542,15 +571,38 @@ class FactorSettings:
         faster exact route for the shape (`polar_auto`)."""
         return (polar_svd(matrix) if self.method == "exact" else polar_auto(matrix)).factor
 
+    def polar_times(self, matrix: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        """polar(matrix)·right. On a clearly tall matrix (m×r, a vocabulary-sized stack) the
+        Gram route's polar factor is matrix·W with W r×r, so this is matrix·(W·right): the
+        m×r factor is never formed, one m·r² product fewer."""
+        if self.method == "exact" or matrix.shape[-2] < GRAM_MIN_ASPECT * matrix.shape[-1]:
+            return self.polar(matrix) @ right
+        gram = _GramRoute(matrix)
+        return gram.tall @ (gram.weights() @ right.to(gram.q.dtype)).to(gram.tall.dtype)
+
     def polar_beside(self, orthonormal: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
-        """The polar factor of [L, X] for L with orthonormal columns and X's columns outside
-        L's span (Iso-CTS's common and residual directions): [L, polar(X)], since their Gram
-        matrix is block diagonal. X is projected off L first, so rounding in how it was found
-        does not leak in. ``exact`` orthogonalises the whole [L, X] instead, as the paper's
-        code does."""
+        """The polar factor of [L, X] (n×(c + w), one matrix) for L with orthonormal or zero
+        columns, as Iso-CTS's common block of singular vectors is, beside the workers' X.
+
+        ``exact`` orthogonalises the whole [L, X], as the paper's code does. The others solve
+        a problem of width 2w instead of c + w: with C = LᵀX = P Σ Yᵀ (P: the directions of
+        L that X reaches), the Gram matrix of [L, X] is the identity on the rest of L's
+        coordinates, so the polar factor keeps L there, and the remainder is the polar factor
+        of the narrow Z = [LP, X]:
+
+            polar([L, X]) = [L + (Z₁ − LP)Pᵀ, Z₂],   [Z₁, Z₂] = polar(Z).
+
+        Directions of P with a null σ are dropped (they could reach L's zero columns, where
+        the Gram matrix is not the identity); what couples them is below rounding.
+        """
         if self.method == "exact":
             return self.polar(torch.cat([orthonormal, extra], -1))
-        return torch.cat([orthonormal, self.polar(_project_out(extra, orthonormal))], -1)
+        p, sigma, _ = torch.linalg.svd(orthonormal.mT @ extra, full_matrices=False)
+        p = p[:, ~_null_mask(sigma, null_rtol(extra), torch.linalg.matrix_norm(extra))]
+        reached = orthonormal @ p
+        z = self.polar(torch.cat([reached, extra], -1))
+        width = p.shape[-1]
+        return torch.cat([orthonormal + (z[:, :width] - reached) @ p.mT, z[:, width:]], -1)
 
     def randomized(self, k: int, rank: int) -> bool:
         """Whether the top `k` of a rank-`rank` matrix come from the range finder."""
@@ -568,26 +620,51 @@ def _orthonormal_columns(matrix: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(matrix).Q
 
 
-def _randomized_svd(matrix: torch.Tensor, columns: int, power_iters: int,
-                    left_out: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+def _randomized_svd(matrix: torch.Tensor, columns: int, power_iters: int, left_out: torch.Tensor | None,
+                    early_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Thin SVD of the best rank-`columns` approximation of M = (I − L Lᵀ)·matrix found by
-    subspace iteration (L: orthonormal columns projected out, or none): an orthonormal Q
-    spanning (M Mᵀ)^q M Ω, then the SVD of the thin Qᵀ M.
+    subspace iteration (L: orthonormal columns projected out, or none): a basis Q of
+    (M Mᵀ)^q M Ω, then the SVD of the thin Qᵀ M.
 
     M is applied, never formed: projecting L out costs products with `columns` vectors,
     not with the whole matrix. The test matrix Ω comes from a fixed CPU generator, so every
-    device, process and worker uses the same one and the result is deterministic. Each
-    half-step re-orthonormalises, which keeps small directions from being lost to rounding.
+    device, process and worker uses the same one and the result is deterministic.
+
+    Only the last iteration and the final product need full precision: the earlier ones turn
+    the basis towards the top directions, and one full-precision iteration then refines what
+    their rounding left (docs/fidelity.md). So they multiply a copy of the matrix in
+    `early_dtype` (bfloat16 where it is fast). Their projections run in that precision too,
+    twice: L holds the matrix's largest directions, and what one rounded projection leaves of
+    them could swamp the residual searched. They re-orthonormalise only the short side of
+    each step (the long side's QR is the costlier); plain float32 iteration keeps both.
     """
     a = matrix.to(torch.promote_types(matrix.dtype, torch.float32))
+    early = a.to(early_dtype) if power_iters else a
+    early_left = None if left_out is None else left_out.to(early.dtype)
+
+    def image(by: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """M·x, computed in the precision of `by`, returned in a's."""
+        y = by @ x.to(by.dtype)
+        if by is a:
+            return _project_out(y, left_out)
+        return _project_out(_project_out(y, early_left), early_left).to(a.dtype)
+
     probe = torch.randn(a.shape[-1], columns, generator=torch.Generator().manual_seed(0), dtype=a.dtype)
-    basis = _orthonormal_columns(_project_out(a @ probe.to(a.device), left_out))
-    for _ in range(power_iters):
-        # Inside the iteration the basis needs no second projection: its columns spanning
-        # M's range already lie in the range of I − L Lᵀ, and any others QR added to complete
-        # a rank-deficient block only widen the subspace searched.
-        row_basis = _orthonormal_columns(a.mT @ basis)
-        basis = _orthonormal_columns(_project_out(a @ row_basis, left_out))
+    every_side = early is a
+    short_rows = a.shape[-2] < a.shape[-1]
+    basis = image(early, probe.to(a.device))
+    for step in range(power_iters):
+        by = a if step == power_iters - 1 else early
+        # No second projection of the basis here: its columns spanning M's range already lie
+        # in the range of I − L Lᵀ, and any others QR added to complete a rank-deficient
+        # block only widen the subspace searched.
+        if every_side or short_rows:
+            basis = _orthonormal_columns(basis)
+        row_basis = (by.mT @ basis.to(by.dtype)).to(a.dtype)
+        if every_side or not short_rows:
+            row_basis = _orthonormal_columns(row_basis)
+        basis = image(by, row_basis)
+    basis = _orthonormal_columns(basis)
     # The last product is projected: columns QR added need not lie in the range of I − L Lᵀ,
     # and here they would carry L's directions into the factors.
     u_small, s, vh = _svd((a.mT @ _project_out(basis, left_out)).mT)
@@ -605,7 +682,8 @@ def top_factors(matrix: torch.Tensor, k: int, settings: FactorSettings = FactorS
     """
     _check_matrix(matrix)
     if settings.randomized(k, _rank(matrix)):
-        u, s, vh = _randomized_svd(matrix, k + settings.oversample, settings.power_iters, left_out)
+        u, s, vh = _randomized_svd(matrix, k + settings.oversample, settings.power_iters, left_out,
+                                   settings.early_dtype(matrix.device))
         s = s / divisor
     else:
         residual = _project_out(matrix, left_out)

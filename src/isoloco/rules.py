@@ -203,10 +203,10 @@ def _unpack(stacked: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tenso
     return joined[:rows], joined[rows], joined[rows + 1:]
 
 
-def _assemble(u_polar: torch.Tensor, s: torch.Tensor, v: torch.Tensor, factors: FactorSettings) -> torch.Tensor:
-    """U⊥ diag(s) V⊥ᵀ from U⊥ (the stacked U, already orthogonalised) and V⊥ the polar factor of
-    the stacked singular vectors `v`; `s` is one value per column, or one for all."""
-    return (u_polar * s) @ factors.polar(v).mT
+def _assemble(u_polar: torch.Tensor, s: torch.Tensor, v_polar: torch.Tensor) -> torch.Tensor:
+    """U⊥ diag(s) V⊥ᵀ from the stacked singular vectors' polar factors; `s` is one value per
+    column, or one for all."""
+    return (u_polar * s) @ v_polar.mT
 
 
 def tsv_components(rank: int, workers: int) -> int:
@@ -228,7 +228,8 @@ def tsv_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]:
 
     def join(stacked, state):
         u, s, v = _unpack(stacked, rows)
-        return _assemble(knobs.factors.polar(u), s, v, knobs.factors)
+        # U⊥ diag(s) V⊥ᵀ, multiplied from the right so a tall U's polar factor is never formed.
+        return knobs.factors.polar_times(u, s.unsqueeze(-1) * knobs.factors.polar(v).mT)
 
     return [Phase("gather", (rows + 1 + cols, k), factors, join)]
 
@@ -264,7 +265,7 @@ def iso_cts_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]
 
     def common_only(total, state):
         u, s, v = common_block(total, state)
-        return _assemble(knobs.factors.polar(u), s.mean(), v, knobs.factors)
+        return _assemble(knobs.factors.polar(u), s.mean(), knobs.factors.polar(v))
 
     phases = [Phase("sum", tuple(shape), lambda buffer, delta, slot, state: _put(buffer, delta, slot),
                     common_block if per_worker else common_only)]
@@ -278,10 +279,10 @@ def iso_cts_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]
         def join(stacked, block):
             u_w, s_w, v_w = _unpack(stacked, rows)
             u_c, s_c, v_c = block
-            # The workers' blocks are stacked after the common one; their U lies outside U_c's
-            # span (the residual was projected off it), so only theirs needs orthogonalising.
+            # The workers' blocks are stacked after the common one, whose singular vectors are
+            # orthonormal: the polar factors need only a problem as wide as the workers' blocks.
             return _assemble(knobs.factors.polar_beside(u_c, u_w), torch.cat([s_c, s_w]).mean(),
-                             torch.cat([v_c, v_w], 1), knobs.factors)
+                             knobs.factors.polar_beside(v_c, v_w))
 
         phases.append(Phase("gather", (rows + 1 + cols, per_worker), residual_factors, join))
     return phases

@@ -9,8 +9,9 @@ Three tables:
   in a fresh process; CPU: the resident high-water mark (VmHWM) over the merge minus the
   resident memory before it; CUDA: `torch.cuda.max_memory_allocated` over the merge.
 * **Merge seconds per round at K = 16** on the 178M model's matrices: one matrix of each
-  distinct shape is merged (interleaved repeats, median), and the times are summed with
-  the number of such matrices in the model as weights.
+  distinct shape is merged (interleaved repeats), and the times are summed with the number
+  of such matrices in the model as weights; the median round, and the spread of one
+  repeat's ratio to Iso-C.
 * **DARE's masks**: seconds to draw one 32.8M-entry mask with the counter-based generator
   and, for reference, with `torch.bernoulli` (the generator the masks used before).
 
@@ -20,6 +21,7 @@ Three tables:
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from typing import Iterator
 
@@ -33,7 +35,7 @@ from isoloco.bench.timing import interleaved
 from isoloco.bench.workload import parameter_shapes
 from isoloco.comm import LocalCommunicator, nbytes
 from isoloco.merge import MergeConfig, Merger
-from isoloco.ortho import iso_correct
+from isoloco.ortho import FactorSettings, iso_correct
 
 RULE_NAMES = ("mean", "dare", "ties", "iso_c", "tsv", "iso_cts")
 FULL = {"memory_shape": (32000, 1024), "memory_workers": (8, 32, 128), "timing_workers": 16, "vocab": True,
@@ -105,16 +107,18 @@ def paper_matrices(vocab: bool) -> Counter:
     return Counter({shape: count for shape, count in shapes.items() if vocab or max(shape) < 8192})
 
 
-def merge_seconds(shapes: Counter, workers: int, repeats: int, device: str) -> dict[str, float]:
-    """Seconds per round of each rule: one matrix of each shape timed, weighted by its count."""
-    total = dict.fromkeys(RULE_NAMES, 0.0)
+def merge_seconds(shapes: Counter, workers: int, repeats: int, device: str) -> dict[str, list[float]]:
+    """Seconds per round of each rule in each repeat: one matrix of each shape timed, weighted
+    by its count (the rules take turns within a repeat, so repeat i of two rules ran alike)."""
+    total = {rule: [0.0] * repeats for rule in RULE_NAMES}
     for shape, count in shapes.items():
         copies = _Copies(shape, workers, torch.device(device))
         deltas = [copies.fetch(stored) for stored in copies.stored]
         cases = {rule: (lambda m=Merger(MergeConfig(rule=rule), LocalCommunicator(workers), 0): m.merge("w", deltas))
                  for rule in RULE_NAMES}
         for rule, timing in interleaved(cases, repeats).items():
-            total[rule] += count * timing.median
+            for repeat, seconds in enumerate(timing.samples):
+                total[rule][repeat] += count * seconds
         del deltas
     return total
 
@@ -157,13 +161,20 @@ def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
     shapes = paper_matrices(setting["vocab"])
     seconds = merge_seconds(shapes, workers, repeats, device)
     timing = Table(f"Scale: merge seconds per round at K = {workers} on the 178M model's matrices",
-                   ["rule", "seconds per round", "÷ Iso-C"])
+                   ["rule", "seconds per round", "÷ Iso-C", "÷ Iso-C, lowest – highest repeat"])
     for rule in RULE_NAMES:
-        timing.add(rule, f"{seconds[rule]:.2f}", ratio(seconds[rule] / seconds["iso_c"]))
+        ratios = [mine / theirs for mine, theirs in zip(seconds[rule], seconds["iso_c"])]
+        timing.add(rule, f"{statistics.median(seconds[rule]):.2f}",
+                   ratio(statistics.median(seconds[rule]) / statistics.median(seconds["iso_c"])),
+                   f"{ratio(min(ratios))} – {ratio(max(ratios))}")
     listed = ", ".join(f"{count} × {m}×{n}" for (m, n), count in shapes.items())
+    early = FactorSettings().early_dtype(torch.device(device))
     timing.notes.append(
-        f"Matrices: {listed}; one of each shape is merged per repeat (median of {repeats}) and weighted by its "
-        "count. The 1-D tensors, which every rule averages, are left out. Default settings of every rule.")
+        f"Matrices: {listed}; one of each shape is merged per repeat, the rules in turns, and weighted by its "
+        f"count; the median of {repeats} repeats, and the lowest and highest ratio of one repeat. The 1-D "
+        "tensors, which every rule averages, are left out. Default settings of every rule: TSV's and Iso-CTS's "
+        f"range finder ran its early iterations in {str(early).removeprefix('torch.')} (`merge.finder_dtype=auto` "
+        "on this device).")
     yield timing
 
     entries = 32_768_000 if not quick else 4_194_304

@@ -19,10 +19,12 @@ import torch
 
 @dataclass(frozen=True)
 class Timing:
-    """The median seconds of one case and what its last call returned."""
+    """The median seconds of one case, the seconds of each repeat in order, and what its last
+    call returned."""
 
     median: float
     result: Any
+    samples: tuple[float, ...] = ()
 
 
 def interleaved(cases: Mapping[Hashable, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[Hashable, Timing]:
@@ -48,7 +50,7 @@ def interleaved(cases: Mapping[Hashable, Callable[[], Any]], repeats: int, warmu
             results[name] = fn()
             synchronize()
             samples[name].append(time.perf_counter() - began)
-    return {name: Timing(statistics.median(samples[name]), results[name]) for name in cases}
+    return {name: Timing(statistics.median(samples[name]), results[name], tuple(samples[name])) for name in cases}
 
 
 def synchronize() -> None:
