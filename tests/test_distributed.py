@@ -37,7 +37,10 @@ SMALL = {**helpers.SMALL, "steps": 6, "inner_steps": 3, "eval_every": 6, "device
 #: Iso-CTS runs one round: splitting off the common subspace at a small spectral gap amplifies
 #: the float rounding of the all-reduce's summation order (not a bug: the one-process
 #: simulator summing its workers in another order moves as much), and a second round of AdamW
-#: grows that to ~4e-5; one round still checks every step of the distributed rule.
+#: grows that to ~4e-5; one round still checks every step of the distributed rule. Its range
+#: finder's early iterations run in float32 here: in bfloat16 (the default where that is
+#: native) the common block's rounding-level difference flips bfloat16 roundings, which moves
+#: the round by 3e-5 (within the fidelity bar, docs/fidelity.md, but not this test's 1e-5).
 RULES = {
     "mean": {"method": "diloco"},
     "ties": {"method": "ties"},
@@ -45,7 +48,7 @@ RULES = {
     "tsv": {"method": "tsv"},
     "iso_c": {"method": "isoloco"},
     "iso_c_update": {"method": "isoloco", "outer.iso_placement": "update"},
-    "iso_cts": {"method": "isocts", "steps": 3, "eval_every": 3},
+    "iso_cts": {"method": "isocts", "steps": 3, "eval_every": 3, "merge.finder_dtype": "float32"},
     "mean_int8_ef": {"method": "diloco", "merge.quantize": "int8", "merge.error_feedback": True},
     # IsoLoCo with round 0's synchronisation in flight for one step of round 1 (its traffic
     # counts in round 1, beside round 1's own: `test_overlap_counts_each_synchronisation_once`).
@@ -240,6 +243,8 @@ def test_tsv_sends_less_than_every_full_matrix(two_process_runs, one_process_run
 #: 5.4e-6 at f = 0.6, which gathers 13 directions per worker of every rank-64 matrix.
 ISLAND_CASES = {name: {**overrides, "workers": 2} for name, overrides in RULES.items()}
 ISLAND_CASES["iso_cts"]["merge.common_fraction"] = 0.6
+#: Where a rule's rounding-driven difference between the layouts exceeds 1e-5 (see the test).
+ISLAND_TOLERANCE = {"mean_int8_ef": 1e-4, "ties": 1e-3, "iso_cts": 2e-5}
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +265,11 @@ def test_two_islands_of_two_processes_train_what_two_simulated_workers_train(isl
     # The compressed merge is the same in every layout (bit for bit: tests/test_merge.py); here
     # the island's gradient average rounds differently from one process, and the
     # int8 grid turns an entry that rounding moves across a code boundary into a whole step.
-    assert_run_close(island_runs / case, reference, 1e-4 if case == "mean_int8_ef" else 1e-5)
+    # TIES's trim threshold does the same to an entry that rounding moves across it (5.1e-4 on
+    # this model with transformers 5.24); Iso-CTS's polar factor of its stacked V, solved as
+    # the common block beside the workers' (`FactorSettings.polar_beside`), carries the cut's
+    # amplified rounding a little further than orthogonalising the whole did (1.1e-5).
+    assert_run_close(island_runs / case, reference, ISLAND_TOLERANCE.get(case, 1e-5))
     state = ckpt.verify(ckpt.latest_checkpoint(island_runs / case / "checkpoints"))
     assert state["layout"] == {"workers": 2, "processes": 4, "processes_per_worker": 2}
     in_flight = ["overlap.safetensors"] if case == "overlap" else []  # θ_t, which the workers' deltas point from

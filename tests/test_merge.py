@@ -664,6 +664,17 @@ def test_randomized_factors_match_the_exact_ones_where_auto_takes_them(finder_dt
     assert torch.equal(merge.tsv(two, factors="auto"), merge.tsv(two, factors="exact"))
 
 
+def test_the_finder_dtype_names_map_to_dtypes():
+    from isoloco.ortho import FactorSettings, fast_bfloat16
+
+    cpu = torch.device("cpu")
+    assert FactorSettings(finder_dtype="float32").early_dtype(cpu) == torch.float32
+    assert FactorSettings(finder_dtype="bfloat16").early_dtype(cpu) == torch.bfloat16
+    assert FactorSettings().early_dtype(cpu) == (torch.bfloat16 if fast_bfloat16(cpu) else torch.float32)
+    with pytest.raises(ValueError, match="finder_dtype='half'"):
+        FactorSettings(finder_dtype="half")
+
+
 @pytest.mark.parametrize("shape", [(200, 120), (120, 200)])
 def test_early_iterations_in_bfloat16_differ_from_float32_ones_only_by_rounding(shape):
     """The range finder's bfloat16 iterations (which re-orthonormalise only the short side)

@@ -234,7 +234,8 @@ def polar_svd(matrix: torch.Tensor) -> Polar:
     return Polar(u @ vh, s)
 
 
-def _gram_eigen(tall: torch.Tensor, vectors: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _gram_eigen(tall: torch.Tensor, vectors: bool,
+                rtol: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Eigen-decomposition of G = AᵀA (n×n, float64) of a tall A: singular values (descending,
     null ones 0) and, if asked, the right singular vectors as columns.
 
@@ -251,7 +252,7 @@ def _gram_eigen(tall: torch.Tensor, vectors: bool) -> tuple[torch.Tensor, torch.
         eigenvalues, eigenvectors = torch.linalg.eigvalsh(gram), None
     sigma = eigenvalues.flip(-1).clamp_min(0).sqrt()
     resolution = math.sqrt(tall.shape[-1] * torch.finfo(torch.float64).eps)
-    sigma = sigma.masked_fill(_null_mask(sigma, max(null_rtol(tall), resolution)), 0)
+    sigma = sigma.masked_fill(_null_mask(sigma, max(rtol or null_rtol(tall), resolution)), 0)
     return sigma, eigenvectors
 
 
@@ -275,12 +276,13 @@ class _GramRoute:
     """What the Gram route needs of a matrix: its tall orientation in the working precision
     (at least float32) and whether it was transposed, and the eigendecomposition of the Gram
     matrix (float64): singular values σ (null ones 0), right singular vectors q, and 1/σ with
-    0 for the null directions (their 1/σ would explode)."""
+    0 for the null directions (their 1/σ would explode). Null is `null_rtol` of the matrix, or
+    `rtol` for a float64 matrix computed from data of a lower precision."""
 
-    def __init__(self, matrix: torch.Tensor) -> None:
+    def __init__(self, matrix: torch.Tensor, rtol: float | None = None) -> None:
         _check_matrix(matrix)
         tall, self.transposed = _tall_view(matrix)
-        self.sigma, self.q = _gram_eigen(tall, vectors=True)
+        self.sigma, self.q = _gram_eigen(tall, vectors=True, rtol=rtol)
         self.inverse_sigma = torch.where(self.sigma > 0, self.sigma.reciprocal(), torch.zeros_like(self.sigma))
         self.tall = tall.to(torch.promote_types(matrix.dtype, torch.float32))
 
@@ -526,6 +528,15 @@ RANDOMIZED_MAX_FRACTION = 16
 FINDER_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+def _polar_judged(matrix: torch.Tensor, rtol: float) -> torch.Tensor:
+    """The Gram route's polar factor of a float64 `matrix` built from lower-precision data,
+    its null directions judged at that data's `rtol` (float64's own would keep directions
+    that are rounding of the data, and give them full weight)."""
+    gram = _GramRoute(matrix, rtol)
+    factor = gram.tall @ gram.weights()
+    return factor.mT if gram.transposed else factor
+
+
 def fast_bfloat16(device: torch.device) -> bool:
     """Whether `device` multiplies bfloat16 matrices natively: CUDA GPUs that support it, and
     CPUs with AVX512-BF16 or AMX (elsewhere oneDNN emulates it, slower than float32)."""
@@ -592,17 +603,29 @@ class FactorSettings:
 
             polar([L, X]) = [L + (Z₁ − LP)Pᵀ, Z₂],   [Z₁, Z₂] = polar(Z).
 
-        Directions of P with a null σ are dropped (they could reach L's zero columns, where
-        the Gram matrix is not the identity); what couples them is below rounding.
+        P keeps the directions whose σ is not null (a null one could reach L's zero columns,
+        where the Gram matrix is not the identity), and X's components along the others, which
+        are rounding, are taken off first; with none left this is [L, polar(X off L)].
         """
         if self.method == "exact":
             return self.polar(torch.cat([orthonormal, extra], -1))
-        p, sigma, _ = torch.linalg.svd(orthonormal.mT @ extra, full_matrices=False)
-        p = p[:, ~_null_mask(sigma, null_rtol(extra), torch.linalg.matrix_norm(extra))]
-        reached = orthonormal @ p
-        z = self.polar(torch.cat([reached, extra], -1))
-        width = p.shape[-1]
-        return torch.cat([orthonormal + (z[:, :width] - reached) @ p.mT, z[:, width:]], -1)
+        rtol = null_rtol(extra)
+        coupling = orthonormal.mT @ extra
+        sigma = torch.linalg.svdvals(coupling)
+        reach = int((~_null_mask(sigma, rtol, torch.linalg.matrix_norm(extra))).sum())
+        if not reach:  # Iso-CTS's U: the residuals were projected off L
+            return torch.cat([orthonormal, self.polar(extra - orthonormal @ coupling)], -1)
+        # In float64: Z has X's near-dependent columns beside LP, and rounding LP to the input's
+        # precision would cost the small directions far more than rounding L itself does.
+        work = torch.promote_types(extra.dtype, torch.float64)
+        ell, x = orthonormal.to(work), extra.to(work)
+        coupling = ell.mT @ x
+        p = torch.linalg.svd(coupling, full_matrices=False)[0][:, :reach]
+        # Kept, X's rounding along the rest of L would be amplified by 1/σ of its near-null directions.
+        x = x - ell @ (coupling - p @ (p.mT @ coupling))
+        reached = ell @ p
+        z = _polar_judged(torch.cat([reached, x], -1), rtol)
+        return torch.cat([ell + (z[:, :reach] - reached) @ p.mT, z[:, reach:]], -1).to(extra.dtype)
 
     def randomized(self, k: int, rank: int) -> bool:
         """Whether the top `k` of a rank-`rank` matrix come from the range finder."""
