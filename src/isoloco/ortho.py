@@ -256,7 +256,7 @@ def _gram_eigen(tall: torch.Tensor, vectors: bool,
     return sigma, eigenvectors
 
 
-def polar_gram(matrix: torch.Tensor) -> Polar:
+def polar_gram(matrix: torch.Tensor, rtol: float | None = None) -> Polar:
     """Exact polar factor without an SVD: polar(A) = A·W, W = Q Λ^{-1/2} Qᵀ, AᵀA = Q Λ Qᵀ.
 
     Works on the tall orientation so the Gram matrix is r×r; costs two m·r² matmuls and one
@@ -264,9 +264,11 @@ def polar_gram(matrix: torch.Tensor) -> Polar:
     (their 1/σ would explode). Only the Gram matrix and its eigendecomposition need float64;
     the final A·W runs in the input's precision (at least float32), which halves its cost and
     errs by ~eps·σ_max/σ_i in direction i — the same order as a float32 SVD's own error in
-    its singular vectors.
+    its singular vectors. `rtol` judges null directions of a float64 matrix built from data of
+    a lower precision at that data's `null_rtol` (float64's own would keep directions that are
+    rounding of the data, and give them full weight).
     """
-    gram = _GramRoute(matrix)
+    gram = _GramRoute(matrix, rtol)
     factor = gram.tall @ gram.weights().to(gram.tall.dtype)
     factor = factor.mT if gram.transposed else factor
     return Polar(factor.to(matrix.dtype), gram.sigma.to(matrix.dtype))
@@ -528,15 +530,6 @@ RANDOMIZED_MAX_FRACTION = 16
 FINDER_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _polar_judged(matrix: torch.Tensor, rtol: float) -> torch.Tensor:
-    """The Gram route's polar factor of a float64 `matrix` built from lower-precision data,
-    its null directions judged at that data's `rtol` (float64's own would keep directions
-    that are rounding of the data, and give them full weight)."""
-    gram = _GramRoute(matrix, rtol)
-    factor = gram.tall @ gram.weights()
-    return factor.mT if gram.transposed else factor
-
-
 def fast_bfloat16(device: torch.device) -> bool:
     """Whether `device` multiplies bfloat16 matrices natively: CUDA GPUs that support it, and
     CPUs with AVX512-BF16 or AMX (elsewhere oneDNN emulates it, slower than float32)."""
@@ -624,7 +617,7 @@ class FactorSettings:
         # Kept, X's rounding along the rest of L would be amplified by 1/σ of its near-null directions.
         x = x - ell @ (coupling - p @ (p.mT @ coupling))
         reached = ell @ p
-        z = _polar_judged(torch.cat([reached, x], -1), rtol)
+        z = polar_gram(torch.cat([reached, x], -1), rtol).factor
         return torch.cat([ell + (z[:, :reach] - reached) @ p.mT, z[:, reach:]], -1).to(extra.dtype)
 
     def randomized(self, k: int, rank: int) -> bool:
