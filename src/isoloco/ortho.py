@@ -603,6 +603,8 @@ class FactorSettings:
         if self.method == "exact":
             return self.polar(torch.cat([orthonormal, extra], -1))
         rtol = null_rtol(extra)
+        # Whether X reaches L at all is decided in the input's precision: for a vocabulary-sized
+        # U, which it does not reach, that and one projection are all the work.
         coupling = orthonormal.mT @ extra
         sigma = torch.linalg.svdvals(coupling)
         reach = int((~_null_mask(sigma, rtol, torch.linalg.matrix_norm(extra))).sum())
