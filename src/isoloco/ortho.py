@@ -525,6 +525,13 @@ def iso_correct(matrix: torch.Tensor, settings: IsoSettings = IsoSettings()) -> 
 FACTOR_METHODS = ("auto", "exact", "randomized")
 RANDOMIZED_MAX_FRACTION = 16
 
+#: ``auto`` keeps the range finder's top-k only where an a-posteriori estimate (`_Found.accurate`)
+#: puts their singular subspaces within this ‖sin Θ‖_F of the exact ones, and so each worker's
+#: rank-k approximation within √2 times it: the 1e-3 fidelity bar (docs/fidelity.md).
+FINDER_TOLERANCE = 1e-3 / math.sqrt(2)
+#: Fresh Gaussian probes of what the finder's basis leaves of the matrix.
+FINDER_PROBES = 6
+
 #: The precision of the range finder's early iterations (all but the last), by the names configs
 #: use: ``auto`` is bfloat16 where the device multiplies it faster than float32, else float32.
 FINDER_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -638,8 +645,65 @@ def _orthonormal_columns(matrix: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(matrix).Q
 
 
+@dataclasses.dataclass
+class _Found:
+    """What the range finder found for M = (I − L Lᵀ)·a: its orthonormal basis Q (m×c), the
+    SVD Û Ŝ V̂ᵀ of QQᵀM (c triplets, Ŝ the Ritz values, each ≤ M's singular value of its rank),
+    and what is needed to apply M again, all in the working precision (at least float32)."""
+
+    a: torch.Tensor
+    left_out: torch.Tensor | None
+    basis: torch.Tensor
+    u: torch.Tensor
+    s: torch.Tensor
+    vh: torch.Tensor
+
+    def accurate(self, k: int, null: torch.Tensor) -> bool:
+        """Whether an a-posteriori estimate puts the top `k` triplets within `FINDER_TOLERANCE`
+        of M's exact ones (`null`: the singular value at or below which a direction is null).
+
+        With E = (I − QQᵀ)M, MᵀÛ = V̂Ŝ holds exactly and MV̂ − ÛŜ = EV̂, so Wedin's theorem bounds
+        the angles between the kept singular subspaces and M's top ones,
+        ‖sin Θ‖_F ≤ ‖EV̂_k‖_F / (σ̂_k − σ_{k+1}(M)), and each worker's rank-k approximation errs by
+        at most √2 times that, relative to its norm. MᵀM = BᵀB + EᵀE (B = QᵀM) gives
+        σ_{k+1}(M)² ≤ σ̂_{k+1}² + ‖E‖²; ‖E‖ is estimated from `FINDER_PROBES` fresh Gaussian
+        probes (Halko, Martinsson, Tropp 2011, section 4.3) turned once towards E's top direction.
+        A flat spectrum leaves no gap and fails; so does a direction the finder found null
+        while M may not have it null.
+        """
+        kept = int((self.s[..., :k] > null).sum(-1).min())
+        probes = torch.randn(self.a.shape[-1], FINDER_PROBES, generator=torch.Generator().manual_seed(1),
+                             dtype=self.a.dtype).to(self.a.device)
+        image = self.image(torch.cat([self.vh[..., :kept, :].mT, probes], -1))
+        residual = image[..., :kept] - self.u[..., :kept] * self.s[..., None, :kept]
+        # ‖E‖ ≈ max ‖E·EᵀEω‖ / ‖EᵀEω‖ over the probes ω (EᵀEΩ = Mᵀ·EΩ: EΩ is orthogonal to Q).
+        turned = self.adjoint(_project_out(image[..., kept:], self.basis))
+        spread = (_project_out(self.image(turned), self.basis).norm(dim=-2)
+                  / turned.norm(dim=-2).clamp_min(torch.finfo(turned.dtype).tiny)).amax(-1)
+        after = self.s[..., kept] if kept < self.s.shape[-1] else torch.zeros_like(spread)
+        beyond = torch.hypot(after, spread)  # ≈ an upper bound on σ_{kept+1}(M)
+        if kept < k and bool((beyond > null.squeeze(-1)).any()):
+            return False
+        if not kept:
+            return True
+        gap = self.s[..., kept - 1] - beyond
+        return bool(((gap > 0) & (residual.norm(dim=(-2, -1)) <= FINDER_TOLERANCE * gap)).all())
+
+    def image(self, x: torch.Tensor) -> torch.Tensor:
+        """M·x."""
+        return _project_out(self.a @ x, self.left_out)
+
+    def adjoint(self, y: torch.Tensor) -> torch.Tensor:
+        """Mᵀ·y."""
+        return self.a.mT @ _project_out(y, self.left_out)
+
+    def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Û, Ŝ, V̂ᵀ in `dtype`."""
+        return self.u.to(dtype), self.s.to(dtype), self.vh.to(dtype)
+
+
 def _randomized_svd(matrix: torch.Tensor, columns: int, power_iters: int, left_out: torch.Tensor | None,
-                    early_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+                    early_dtype: torch.dtype) -> _Found:
     """Thin SVD of the best rank-`columns` approximation of M = (I − L Lᵀ)·matrix found by
     subspace iteration (L: orthonormal columns projected out, or none): a basis Q of
     (M Mᵀ)^q M Ω, then the SVD of the thin Qᵀ M.
@@ -686,7 +750,7 @@ def _randomized_svd(matrix: torch.Tensor, columns: int, power_iters: int, left_o
     # The last product is projected: columns QR added need not lie in the range of I − L Lᵀ,
     # and here they would carry L's directions into the factors.
     u_small, s, vh = _svd((a.mT @ _project_out(basis, left_out)).mT)
-    return (basis @ u_small).to(matrix.dtype), s.to(matrix.dtype), vh.to(matrix.dtype)
+    return _Found(a, left_out, basis, basis @ u_small, s, vh)
 
 
 def top_factors(matrix: torch.Tensor, k: int, settings: FactorSettings = FactorSettings(),
@@ -696,12 +760,22 @@ def top_factors(matrix: torch.Tensor, k: int, settings: FactorSettings = FactorS
     (L = `left_out`, orthonormal columns, or none), numerically null directions zeroed in all
     three (relative to `largest`, see `thin_svd`).
 
-    See `FactorSettings.randomized` for when the range finder is used; the exact path forms M.
+    See `FactorSettings.randomized` for when the range finder is used; with ``auto`` its
+    factors are kept only where `_Found.accurate` vouches for them, else the exact path runs,
+    which forms M.
     """
     _check_matrix(matrix)
+    rtol, found = null_rtol(matrix), None
     if settings.randomized(k, _rank(matrix)):
-        u, s, vh = _randomized_svd(matrix, k + settings.oversample, settings.power_iters, left_out,
-                                   settings.early_dtype(matrix.device))
+        found = _randomized_svd(matrix, k + settings.oversample, settings.power_iters, left_out,
+                                settings.early_dtype(matrix.device))
+        # The null threshold on M·divisor, whose singular values the finder computed.
+        top = found.s[..., :1]
+        null = rtol * (top if largest is None else torch.broadcast_to(largest * divisor, top.shape))
+        if settings.method == "auto" and not found.accurate(k, null):
+            found = None
+    if found is not None:
+        u, s, vh = found.factors(matrix.dtype)
         s = s / divisor
     else:
         residual = _project_out(matrix, left_out)
@@ -709,5 +783,5 @@ def top_factors(matrix: torch.Tensor, k: int, settings: FactorSettings = FactorS
     u, s, vh = u[..., :k], s[..., :k], vh[..., :k, :]
     if largest is None:
         largest = s[..., :1]
-    null = _null_mask(s, null_rtol(matrix), largest)
+    null = _null_mask(s, rtol, largest)
     return u.masked_fill(null.unsqueeze(-2), 0), s.masked_fill(null, 0), vh.masked_fill(null.unsqueeze(-1), 0).mT
