@@ -15,8 +15,8 @@ A table of the page is copied from a report when the line two above it is a mark
 the file and the section (the `## ` heading the table follows), and optionally a regular
 expression that picks the rows: `<!-- table: results/claims/main/compare.md "isoloco − diloco" -->`
 or `<!-- table: results/claims/main/results.md "By method, R and H" rows: ^\| (dp|isoloco) \| -->`.
-A row the report marks unstable (†) brings along the footnote under the report's table that says
-what the mark means.
+A row the report marks (†: ended unstable; ‡: above the unigram baseline at an evaluation) brings
+along the footnote under the report's table that says what its mark means.
 """
 
 from __future__ import annotations
@@ -64,6 +64,15 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
     "strongest-seeds": [("main", "dp-s*", ""), ("main", "diloco-R*-H30-s*", ""), ("main", "isoloco-R*-H30-s*", ""),
                         ("main", "isoc-R*-H30-s*", ""), *((f"strongest/{best}", "*-R*-H30-s*", "tuned-")
                                                         for best in ("diloco-mu0.3-lr1.0", "isoloco-mu0.6-lr1.5"))],
+    # R = 1, where nothing is merged: IsoLoCo (the preset's and the tuned outer step) against DiLoCo's
+    # best R = 1 setting in the page's grids, outer SGD at lr 1 (FedAvg), and against the tuned DiLoCo.
+    "r1-fedavg": [("main", "dp-s*", ""), ("main", "isoloco-R1-H30-s*", ""), ("r1-plain", "diloco_sgd-*", "lr1-"),
+                  *((f"strongest/{best}", "*-R1-H30-s*", "tuned-") for best in ("diloco-mu0.3-lr1.0",
+                                                                                "isoloco-mu0.6-lr1.5"))],
+    # The tuned IsoLoCo against Iso-C at the paper's outer lr (2.1) and at its own best (3.0), R = 8 and 16.
+    "claim4-tuned": [("main", "dp-s*", ""), ("main", "isoc-R8-H30-s*", ""), ("main", "isoc-R16-H30-s*", ""),
+                     ("isoc-lr3", "isoc-R*", "lr3-"), ("strongest/isoloco-mu0.6-lr1.5", "*-R8-H30-s*", "tuned-"),
+                     ("strongest/isoloco-mu0.6-lr1.5", "*-R16-H30-s*", "tuned-")],
     # Compressed and delayed pseudo-gradients (scripts/link_science.sh), one sweep folder per setting.
     "link-science": [("main", "dp-s*", ""), ("link/*", "*-R8-H30-s*", "{sweep}-")],
     # IsoLoCo's first rounds against the budget, and its robust variants (scripts/early_budget.sh):
@@ -156,24 +165,29 @@ REPORTS: dict[str, list[str]] = {
                     f"{early_label(power=0.5)}:diloco steps=60", f"{early_label(power=0.5)}:dp steps=60"],
     "early-long": [f"{early_label(None, **kw)}:{early_label(None)}" for kw in EARLY_VARIANTS],
     "long-horizon": ["isoloco:diloco", "diloco:dp", "isoloco:dp"],
+    "r1-fedavg": [f"{TUNED_ISOLOCO}:diloco_sgd", "isoloco outer.lr=1.2 outer.momentum=0.8:diloco_sgd",
+                  f"diloco_sgd:{TUNED_DILOCO}", "diloco_sgd:dp"],
+    "claim4-tuned": ["isoloco:isoc outer.lr=2.1", "isoloco:isoc outer.lr=3.0"],
     "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [], "tune-small": [], "strongest-search": [], "spectra": [],
 }
 
 
 MARKER = re.compile(r'^<!-- table: (?P<file>\S+) "(?P<section>[^"]+)"(?: rows: (?P<rows>.+?))? -->$')
-#: What `isoloco report` marks an unstable run with; the footnote saying so starts with it too.
-FOOTNOTE_MARK = "†"
+#: What `isoloco report` marks runs with (unstable; above the unigram baseline at an evaluation); the
+#: footnote saying what a mark means starts with it too.
+FOOTNOTE_MARKS = ("†", "‡")
 
 
-def footnotes(lines: list[str], end: int) -> list[str]:
-    """The footnote of the table that ends before `lines[end]`: a blank line, then the lines that
-    start with the mark; [] when there is none."""
+def footnotes(lines: list[str], end: int, marks: tuple[str, ...] = FOOTNOTE_MARKS) -> list[str]:
+    """The footnotes of the table that ends before `lines[end]` (a blank line, then the lines that
+    start with a mark) for the given marks; [] when there are none."""
     if lines[end:end + 1] != [""]:
         return []
     last = end + 1
-    while last < len(lines) and lines[last].startswith(FOOTNOTE_MARK):
+    while last < len(lines) and lines[last].startswith(FOOTNOTE_MARKS):
         last += 1
-    return lines[end:last] if last > end + 1 else []
+    kept = [line for line in lines[end + 1:last] if line.startswith(marks)]
+    return [""] + kept if kept else []
 
 
 def report_table(file: Path, section: str, rows: str | None) -> list[str] | None:
@@ -193,8 +207,8 @@ def report_table(file: Path, section: str, rows: str | None) -> list[str] | None
     if not table:
         return None
     body = [line for line in table[2:] if rows is None or re.search(rows, line)]
-    marked = any(FOOTNOTE_MARK in line for line in body)
-    return table[:2] + body + (footnotes(lines, end) if marked else [])
+    marks = tuple(mark for mark in FOOTNOTE_MARKS if any(mark in line for line in body))
+    return table[:2] + body + (footnotes(lines, end, marks) if marks else [])
 
 
 def sync_tables(doc: Path, write: bool) -> list[tuple[str, str]]:

@@ -103,6 +103,22 @@ def test_a_marked_row_brings_its_footnote_and_an_unmarked_table_drops_it(doc):
     assert "†" not in doc.read_text() and "| diloco | 8 | 9.0 |\n\nAfter." in doc.read_text()
 
 
+def test_a_row_brings_the_footnotes_of_its_own_marks_only(doc):
+    """† (ended unstable) and ‡ (above the unigram baseline at an evaluation) each have a footnote: a
+    table keeping only ‡ rows brings only the ‡ line."""
+    Path("report.md").write_text("## By method, R and H\n\n| method | loss | peak |\n|---|---|---|\n"
+                                 "| dp | 4.0 | 4.5 |\n| isoloco | 4.4 | 7.3 ‡ |\n| diloco | 9.0 † | 9.1 ‡ |\n\n"
+                                 "† ended unstable.\n‡ above the baseline at an evaluation.\n\n## Every run\n")
+    doc.write_text('<!-- table: report.md "By method, R and H" rows: ^\\| (dp|isoloco) -->\n\n| method |\n|---|\n\n'
+                   'After.\n\n<!-- table: report.md "By method, R and H" -->\n\n| method |\n|---|\n')
+    sync = _script().sync_tables
+    sync(doc, write=True)
+    first, second = doc.read_text().split("After.")
+    assert first.endswith("| isoloco | 4.4 | 7.3 ‡ |\n\n‡ above the baseline at an evaluation.\n\n")
+    assert second.endswith("| diloco | 9.0 † | 9.1 ‡ |\n\n† ended unstable.\n‡ above the baseline at an evaluation.\n")
+    assert sync(doc, write=False) == []
+
+
 @pytest.mark.parametrize("page", ["docs/claims.md", "docs/results.md"])
 def test_the_docs_tables_match_the_committed_reports(page):
     done = subprocess.run([sys.executable, str(SCRIPT), "--check", page], cwd=ROOT, capture_output=True, text=True)

@@ -18,8 +18,10 @@ TOKENS = 6 * 8 * 32  # steps x global_batch x seq_len of the runs below
 UNIGRAM = 7.0  # the unigram baseline the fake runs report: a loss above it is an unstable run
 
 
-def _fake_run(root: Path, name: str, loss: float | None, finished: bool = True, processes: int = 1, **keys) -> None:
-    """A run directory as `isoloco train` leaves it, without training (losses are made up)."""
+def _fake_run(root: Path, name: str, loss: float | None, finished: bool = True, processes: int = 1,
+              summary: dict | None = None, **keys) -> None:
+    """A run directory as `isoloco train` leaves it, without training (losses are made up: 0.5 above
+    the final one at the mid-run evaluation)."""
     cfg = resolve(None, {"model": "tiny", "steps": 6, "global_batch": 8, "seq_len": 32, **keys})
     run = root / name
     run.mkdir(parents=True)
@@ -31,7 +33,7 @@ def _fake_run(root: Path, name: str, loss: float | None, finished: bool = True, 
     if finished:
         (run / "summary.json").write_text(json.dumps({"final_val_loss": loss, "wall_time_s": 12.5, "cpu_time_s": 10.0,
                                                       "tokens": TOKENS, "processes": processes,
-                                                      "unigram_baseline": UNIGRAM}))
+                                                      "unigram_baseline": UNIGRAM, **(summary or {})}))
 
 
 def _grid(root: Path) -> None:
@@ -78,7 +80,8 @@ def test_gaps_are_to_the_dp_run_of_the_same_seed_and_averaged_over_seeds(tmp_pat
     assert abs(float(summary["diloco", "2"]["gap_to_dp_pct_std"]) - 2 ** 0.5) < 1e-4
     assert summary["isoloco", "8"]["seeds"] == "0" and summary["isoloco", "8"]["final_val_loss_mean"] == ""
     md = (tmp_path / "results.md").read_text()
-    assert "| diloco | 2 | 3 | 2 | 4.9000 ± 0.7071 | +9.00 ± 1.41 | 1,536 | 12 ± 0 | 10 ± 0 |" in md
+    # The peak: seed 1's mid-run evaluation, 5.4 + 0.5.
+    assert "| diloco | 2 | 3 | 2 | 4.9000 ± 0.7071 | +9.00 ± 1.41 | 5.9000 | 1,536 | 12 ± 0 | 10 ± 0 |" in md
     assert float(summary["diloco", "2"]["cpu_time_s_mean"]) == 10.0
     assert "| isoloco-R8-H3-s0 | isoloco | 8 | 3 | 0 | incomplete | — |" in md
     assert "![Gap to DP vs R](plots/gap_vs_R.png)" in md
@@ -138,7 +141,7 @@ def test_runs_that_differ_in_more_than_the_seed_are_separate_points(tmp_path):
     assert float(summary["outer.lr=0.4 processes=1"]["gap_to_dp_pct_mean"]) == (20.0 + 16.0) / 2
     md = (tmp_path / "results.md").read_text()
     assert "| diloco | 2 | 3 | outer.lr=0.7 processes=2 | 2 |" in md
-    assert "| dp | — | — | — | 2 |" in md  # dp has no variant
+    assert "| dp | — | — | processes=1 | 2 |" in md  # dp has no outer step: outer.lr says nothing of it
     # --compare names a variant as the tables write it.
     pair = "diloco outer.lr=0.4 processes=1:diloco outer.lr=0.7 processes=1"
     assert main(["report", str(tmp_path), "--compare", pair]) == 0
@@ -196,7 +199,7 @@ def test_a_knob_searched_over_several_values_gets_its_own_plot(tmp_path):
     assert list(ties.lines[0].get_ydata()) == pytest.approx([4.8 + 0.5, 4.5 + 0.5, 4.1 + 0.5])
     flat = {line.get_label(): line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() in ("--", ":")}
     assert flat["dp"] == pytest.approx(4.5) and flat["diloco_sgd"] == pytest.approx(5.0)
-    assert flat["isoc merge.ortho=svd"] == pytest.approx(4.7) and flat["tsv processes=2"] == pytest.approx(5.4)
+    assert flat["isoc ortho=svd"] == pytest.approx(4.7) and flat["tsv processes=2"] == pytest.approx(5.4)
     assert not any(label.startswith("dare") for label in flat)  # searched itself: a plot of its own
     write_report(tmp_path)
     assert "![Final validation loss vs merge.density](plots/val_loss_vs_merge.density.png)" in (
@@ -216,25 +219,28 @@ def test_compare_pairs_seeds_and_calls_a_difference_only_outside_its_interval(tm
     assert main(["report", str(tmp_path), "--compare", "isoloco:diloco"]) == 0
     text = (tmp_path / "compare.md").read_text()
     # R = 1: mean 0, s = 0.1, half-width 4.303 · 0.1 / √3 = 0.2484; the 90% one, 2.920 · 0.1 / √3 = 0.1686,
-    # is 3.75% of diloco's 4.5: outside ±1%
-    assert ("| 1 | 3 | 3 | +0.0000 ± 0.2484 | [-3.75%, +3.75%] fail | not distinguishable with 3 seeds | +12.50 | "
-            "+12.50 | 1.00 |") in text
-    # R = 4: mean −0.30, s = 0.02, half-width 4.303 · 0.02 / √3 = 0.0497; 90%: (−0.30 ± 0.0337) / 4.5
-    assert "| 4 | 3 | 3 | -0.3000 ± 0.0497 | [-7.42%, -5.92%] fail | isoloco lower | +5.00 | +12.50 | 0.40 |" in text
+    # is 3.75% of diloco's 4.5: outside ±1%; t = 0, p = 1
+    assert ("| 1 | 3 | 3 | +0.0000 ± 0.2484 | [-3.75%, +3.75%] fail | not distinguishable with 3 seeds | 1.000 (1.000) | "
+            "not distinguishable with 3 seeds | +12.50 | +12.50 | 1.00 |") in text
+    # R = 4: mean −0.30, s = 0.02, half-width 4.303 · 0.02 / √3 = 0.0497; 90%: (−0.30 ± 0.0337) / 4.5;
+    # t = 0.3 / (0.02 / √3) = 25.98 with 2 df: p = 1 − t/√(2 + t²) = 0.0015, × 2 tests / rank 1 = 0.0030
+    assert ("| 4 | 3 | 3 | -0.3000 ± 0.0497 | [-7.42%, -5.92%] fail | isoloco lower | 0.001 (0.003) | isoloco lower | "
+            "+5.00 | +12.50 | 0.40 |") in text
     assert "from R = 1 to R = 4 (3 seeds): -0.3000 ± 0.2766 (isoloco gains on diloco as R grows)" in text
     # Against dp: its run of the same seed, at every R.
     assert main(["report", str(tmp_path), "--compare", "diloco:dp"]) == 0
-    assert ("| 4 | 3 | 3 | +0.5000 ± 0.0000 | [+12.50%, +12.50%] fail | dp lower | +12.50 | +0.00 | — |"
-            in (tmp_path / "compare.md").read_text())
+    assert ("| 4 | 3 | 3 | +0.5000 ± 0.0000 | [+12.50%, +12.50%] fail | dp lower | <0.001 (<0.001) | dp lower | "
+            "+12.50 | +0.00 | — |" in (tmp_path / "compare.md").read_text())
     assert "## Every pair" not in text  # one pair: its own table is the whole story
     # Several pairs: one table of every pair's rows first, each row named by its pair.
     assert main(["report", str(tmp_path), "--compare", "isoloco:diloco", "--compare", "diloco:dp"]) == 0
     text = (tmp_path / "compare.md").read_text()
     joined = text.split("## Every pair")[1].split("## isoloco − diloco")[0]
-    assert ("| isoloco − diloco | 4 | 3 | 3 | -0.3000 ± 0.0497 | [-7.42%, -5.92%] fail | isoloco lower | +5.00 | "
-            "+12.50 | 0.40 |") in joined
-    assert ("| diloco − dp | 4 | 3 | 3 | +0.5000 ± 0.0000 | [+12.50%, +12.50%] fail | dp lower | +12.50 | +0.00 | "
-            "— |") in joined
+    # Four tests now (p 1.0, 0.0015, 0, 0): R = 4's isoloco − diloco is rank 3 of 4, 0.0015 · 4/3 = 0.002
+    assert ("| isoloco − diloco | 4 | 3 | 3 | -0.3000 ± 0.0497 | [-7.42%, -5.92%] fail | isoloco lower | 0.001 (0.002) | "
+            "isoloco lower | +5.00 | +12.50 | 0.40 |") in joined
+    assert ("| diloco − dp | 4 | 3 | 3 | +0.5000 ± 0.0000 | [+12.50%, +12.50%] fail | dp lower | <0.001 (<0.001) | "
+            "dp lower | +12.50 | +0.00 | — |") in joined
     assert len([line for line in joined.splitlines() if line.startswith(("| isoloco − ", "| diloco − "))]) == 4
     assert main(["report", str(tmp_path), "--compare", "isoloco"]) == 2
 
@@ -357,3 +363,147 @@ def test_a_contrast_pairs_two_differences_by_seed(tmp_path):
     # −0.10 in every seed: no spread, called.
     assert "| 2 | 3 | 3 | -0.1000 ± 0.0000 | isoloco merge.quantize=int8 − isoloco merge.quantize=none lower |" in text
     assert main(["report", str(tmp_path), "--contrast", "isoloco:diloco"]) == 2
+
+
+def test_p_values_are_student_t_tail_areas():
+    """Closed forms for 1, 2 and 3 degrees of freedom, the tabulated 95% quantiles at p = 0.05, and the
+    numerical integral of the density elsewhere."""
+    from isoloco.report import t_two_sided_p
+
+    assert t_two_sided_p(1.0, 1) == pytest.approx(0.5)  # Cauchy: P(|T| ≥ 1) = 1 − (2/π)·arctan 1
+    assert t_two_sided_p(2.0, 2) == pytest.approx(1 - math.sqrt(2 / 3))  # 1 − t/√(2 + t²)
+    assert t_two_sided_p(math.sqrt(3), 3) == pytest.approx(0.5 - 1 / math.pi)  # θ = π/4
+    assert t_two_sided_p(-2.0, 2) == t_two_sided_p(2.0, 2) and t_two_sided_p(0.0, 5) == pytest.approx(1.0)
+    for df in range(1, 31):
+        assert t_two_sided_p(t_quantile(95, df), df) == pytest.approx(0.05, abs=2e-4), df
+    for t, df in ((0.7, 4), (3.1, 7), (2.2, 12)):
+        assert t_two_sided_p(t, df) == pytest.approx(2 * (1 - _student_t_cdf(t, df)), abs=1e-6), (t, df)
+
+
+def test_benjamini_hochberg_adjusts_by_rank():
+    from isoloco.report import benjamini_hochberg
+
+    # Sorted 0.01, 0.03, 0.04, 0.20 (m = 4): × 4/1, 4/2, 4/3, 4/4 = 0.04, 0.06, 0.0533, 0.20, then the
+    # running minimum from the largest down: 0.06 becomes 0.0533.
+    assert benjamini_hochberg([0.01, 0.04, 0.03, 0.20]) == pytest.approx([0.04, 0.16 / 3, 0.16 / 3, 0.20])
+    assert benjamini_hochberg([0.5, 0.9]) == pytest.approx([0.9, 0.9]) and benjamini_hochberg([]) == []
+    assert benjamini_hochberg([0.6, 0.7, 0.8]) == pytest.approx([0.8, 0.8, 0.8])  # never above 1, never below p
+
+
+def test_compare_adds_the_benjamini_hochberg_call_beside_the_raw_one(tmp_path):
+    """Four tests in the file: the R = 2 difference is called alone (p = 0.031) but not once its p is
+    adjusted for the four (× 4/2 = 0.062); R = 8's survives."""
+    _paired_grid(tmp_path, {2: (0.13, 0.2, 0.25), 4: (0.2, -0.25, 0.05), 8: (-0.30, -0.32, -0.28),
+                            16: (0.2, -0.3, 0.1)})
+    text = compare_markdown(load_runs(tmp_path), [("isoloco", "diloco")])
+    assert "| call | p (BH) | call after BH |" in text and "Benjamini–Hochberg" in text
+    d = [0.13, 0.2, 0.25]
+    mean = sum(d) / 3
+    t = mean / (math.sqrt(sum((x - mean) ** 2 for x in d) / 2) / math.sqrt(3))
+    p = 2 * (1 - _student_t_cdf(t, 2))
+    assert f"{p:.3f}" == "0.031"
+    assert _row(text, 2)[5:8] == ["diloco lower", f"0.031 ({p * 2:.3f})", "not called after BH"]
+    assert _row(text, 8)[5] == _row(text, 8)[7] == "isoloco lower"
+    assert _row(text, 4)[5] == _row(text, 4)[7] == "not distinguishable with 3 seeds"
+
+
+def test_a_run_above_the_unigram_baseline_mid_run_is_marked_with_its_peak(tmp_path):
+    """Ending below the baseline (no †) does not hide an evaluation above it (‡)."""
+    _fake_run(tmp_path, "dp-s0", 4.0, method="dp", workers=1)
+    _fake_run(tmp_path, "isoloco-s0", UNIGRAM - 0.2, method="isoloco", workers=2, inner_steps=3)  # peak 7.3
+    _fake_run(tmp_path, "diloco-s0", 4.5, method="diloco", workers=2, inner_steps=3)
+    write_report(tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "| isoloco-s0 | isoloco | 2 | 3 | 0 | 6.8000 | +70.00 | 7.3000 (step 3) ‡ |" in md
+    assert "| diloco-s0 | diloco | 2 | 3 | 0 | 4.5000 | +12.50 | 5.0000 (step 3) |" in md
+    assert "| isoloco | 2 | 3 | 1 | 6.8000 | +70.00 | 7.3000 ‡ |" in md and "†" not in md
+    assert md.count("‡ validation loss above the unigram baseline at an evaluation") == 2
+    rows = {r["run"]: r for r in csv.DictReader((tmp_path / "results.csv").open())}
+    assert rows["isoloco-s0"]["above_unigram_at_an_evaluation"] == "true" and rows["isoloco-s0"]["peak_step"] == "3"
+    assert rows["diloco-s0"]["above_unigram_at_an_evaluation"] == "false"
+
+
+def test_link_bytes_and_exposed_seconds_are_shown_only_where_runs_record_them(tmp_path):
+    _fake_run(tmp_path, "dp-s0", 4.0, method="dp", workers=1)
+    _fake_run(tmp_path, "old-s0", 4.5, method="diloco", workers=2, inner_steps=3)
+    write_report(tmp_path)
+    assert "wire bytes" not in (tmp_path / "results.md").read_text()
+    assert "wire" not in (tmp_path / "results.csv").read_text()  # an old folder's report stays as it was
+    for seed, (wire, exposed) in enumerate(((10_097_152, 0.5), (10_097_152, 1.5))):
+        _fake_run(tmp_path, f"new-s{seed}", 4.5, method="diloco", workers=2, inner_steps=3, seed=seed,
+                  summary={"cross_island_wire_bytes": wire, "exposed_sync_seconds": exposed}, **{"outer.lr": 0.4})
+    write_report(tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "| wall time (s) | CPU time (s) | wire bytes | exposed sync (s) |" in md
+    assert "| 12 ± 0 | 10 ± 0 | 10,097,152 ± 0 | 1.00 ± 0.71 |" in md  # the two seeds' mean and std
+    assert "| old-s0 | diloco | 2 | 3 | outer.lr=0.7 | 0 | 4.5000 |" in md and "| 12 | 10 | — | — |" in md
+    assert "| new-s1 | diloco | 2 | 3 | outer.lr=0.4 | 1 |" in md and "| 12 | 10 | 10,097,152 | 1.50 |" in md
+    rows = {r["run"]: r for r in csv.DictReader((tmp_path / "results.csv").open())}
+    assert rows["new-s0"]["cross_island_wire_bytes"] == "10097152" and rows["old-s0"]["exposed_sync_seconds"] == ""
+
+
+def test_two_runs_of_one_seed_count_as_one_seed_with_a_warning(tmp_path, capsys):
+    """A rerun of seed 0 beside the first run: the point has one seed, not "2, ± 0.0000"."""
+    _fake_run(tmp_path, "dp-s0", 4.0, method="dp", workers=1)
+    _fake_run(tmp_path, "diloco-s0", 4.5, method="diloco", workers=2, inner_steps=3)
+    _fake_run(tmp_path, "diloco-s0-again", 4.5, method="diloco", workers=2, inner_steps=3)
+    assert main(["report", str(tmp_path), "--compare", "diloco:dp"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: diloco-s0-again repeats seed 0 of diloco-s0" in err and "counted once" in err
+    md = (tmp_path / "results.md").read_text()
+    assert "| diloco | 2 | 3 | 1 | 4.5000 | +12.50 |" in md and "diloco-s0-again (seed 0, as diloco-s0)" in md
+    assert "| diloco-s0-again |" not in md
+    assert _row((tmp_path / "compare.md").read_text(), 2)[2] == "1"  # one pair: one seed
+
+
+def test_a_method_run_with_one_setting_shows_it_beside_the_others(tmp_path, capsys):
+    """results.md does not write "—" for DiLoCo beside IsoLoCo's quantisation settings, and --compare
+    names runs by any of the settings the table shows; a label that names several is refused."""
+    _fake_run(tmp_path, "dp-s0", 4.0, method="dp", workers=1)
+    _fake_run(tmp_path, "diloco-s0", 4.5, method="diloco", workers=2, inner_steps=3)
+    for quantize, loss in (("none", 4.3), ("int8", 4.35)):
+        _fake_run(tmp_path, f"isoloco-{quantize}-s0", loss, method="isoloco", workers=2, inner_steps=3,
+                  **{"merge.quantize": quantize})
+    write_report(tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "| diloco | 2 | 3 | merge.quantize=none | 1 |" in md and "| dp | — | — | — | 1 |" in md
+    assert "| isoloco | 2 | 3 | merge.quantize=int8 | 1 |" in md
+    assert [r.label for r in load_runs(tmp_path)] == ["dp", "diloco", "isoloco merge.quantize=int8",
+                                                     "isoloco merge.quantize=none"]  # what --compare matches first
+    pair = "isoloco merge.quantize=int8:diloco merge.quantize=none"
+    assert main(["report", str(tmp_path), "--compare", pair, "--compare", "isoloco merge.quantize=int8:diloco"]) == 0
+    text = (tmp_path / "compare.md").read_text()
+    assert text.count("| 2 | 3 | 1 | -0.1500 | one seed: no call |") == 4  # each pair's table, and every pair's
+    assert main(["report", str(tmp_path), "--compare", "isoloco:diloco"]) == 2
+    err = capsys.readouterr().err
+    assert "--compare 'isoloco' names runs of several settings at one point" in err and "name one of them" in err
+
+
+def test_plots_name_series_by_what_differs_and_keep_coinciding_points_apart(tmp_path):
+    """Six series that differ in three long settings and end at the same loss: short, distinct legend
+    names, one x position each at every R, and no layout warning; without dp, no gap chart."""
+    import warnings
+
+    from isoloco.report import _against, _save
+
+    settings = [{"merge.quantize": q, "merge.error_feedback": ef, "outer.overlap_steps": ov}
+                for q, ef, ov in (("none", False, 0), ("int8", False, 0), ("int8", True, 0), ("int4", False, 0),
+                                  ("int4", True, 0), ("none", False, 2))]
+    for i, keys in enumerate(settings):
+        for r in (2, 4):
+            _fake_run(tmp_path, f"isoloco-{i}-R{r}", 4.5, method="isoloco", workers=r, inner_steps=3, **keys)
+    runs = load_runs(tmp_path)
+    fig = _against(runs, "workers", False)
+    ax = fig.axes[0]
+    names = [text.get_text() for text in ax.get_legend().get_texts()]
+    # The series in the order of their settings; the defaults (none, False, 0) go unnamed.
+    assert names == ["isoloco quantize=int4", "isoloco quantize=int8", "isoloco", "isoloco outer.overlap_steps=2",
+                     "isoloco error_feedback=True quantize=int4", "isoloco error_feedback=True quantize=int8"]
+    at_r2 = [container.lines[0].get_xdata()[0] for container in ax.containers]
+    assert len(set(at_r2)) == 6 and all(1.8 < x < 2.2 for x in at_r2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "constrained_layout not applied" would raise here
+        _save(fig, tmp_path / "check.png")
+    write_report(tmp_path)
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {"val_loss_vs_R.png", "val_curves.png"}
+    assert "gap_vs_R" not in (tmp_path / "results.md").read_text()

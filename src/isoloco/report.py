@@ -9,7 +9,10 @@ the number of processes — makes a point of its own, its *variant*), and writes
 
 * `results.csv`: one row per run; `summary.csv`: mean and sample std over seeds, per point;
 * `results.md`: both tables in Markdown, with the plots linked; a run that ended above its
-  unigram baseline (it diverged: it knows less than the token frequencies) is marked unstable;
+  unigram baseline (it diverged: it knows less than the token frequencies) is marked unstable,
+  and a run whose validation loss was above that baseline at any evaluation is marked too, with
+  its peak; where runs record them, the cross-island wire bytes and exposed synchronisation
+  seconds; two runs of one point with the same seed count once (the rest are listed, not averaged);
 * `plots/`: validation loss and gap to DP against R (log2 axis) — and against H when the
   directory holds several H —, validation loss against each numeric knob a method was run at
   several values of (a search or a grid: `outer.lr`, `merge.density`, ...), with the other
@@ -29,6 +32,7 @@ import io
 import json
 import math
 import statistics
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
@@ -69,6 +73,12 @@ class RunResult:
     settings: tuple[tuple[str, Any], ...] = ()  # what the run computes: config keys and processes
     variant: str = ""  # the settings that set it apart from other runs of its method, `key=value ...`
     gap_pct: float | None = None
+    peak: tuple[int, float] | None = None  # (step, validation loss) of its highest evaluation
+    wire_bytes: int | None = None  # cross-island bytes over the run, all processes (newer runs only)
+    exposed_sync_s: float | None = None  # synchronisation seconds training waited for (newer runs only)
+    # The variant, plus its values of the settings other methods vary that apply to it: what the
+    # tables show, so that a method run with one setting does not read as "—" beside the others.
+    shown_variant: str = ""
 
     @property
     def label(self) -> str:
@@ -79,6 +89,12 @@ class RunResult:
     def unstable(self) -> bool:
         """Ended above the unigram baseline: training diverged, so its loss supports no comparison."""
         return None not in (self.final_val_loss, self.unigram_baseline) and self.final_val_loss > self.unigram_baseline
+
+    @property
+    def rose_above_unigram(self) -> bool:
+        """Above the unigram baseline at some evaluation (early, before the model has learnt the token
+        frequencies, or later, diverging): the verdicts that rest on such a run say so."""
+        return None not in (self.peak, self.unigram_baseline) and self.peak[1] > self.unigram_baseline
 
     @property
     def is_dp(self) -> bool:
@@ -99,8 +115,8 @@ def _sort_key(run: RunResult) -> tuple:
             run.seed, run.name)
 
 
-def _read_curve(path: Path) -> tuple[tuple[int, float], ...]:
-    """Validation points of metrics.jsonl; a torn last line of a run in progress is skipped."""
+def _read_curve(path: Path) -> tuple[tuple[int, int, float], ...]:
+    """(step, tokens, validation loss) of metrics.jsonl; a torn last line of a run in progress is skipped."""
     if not path.is_file():
         return ()
     points = []
@@ -110,7 +126,7 @@ def _read_curve(path: Path) -> tuple[tuple[int, float], ...]:
         except json.JSONDecodeError:
             continue
         if "val_loss" in record:
-            points.append((int(record["tokens"]), float(record["val_loss"])))
+            points.append((int(record["step"]), int(record["tokens"]), float(record["val_loss"])))
     return tuple(points)
 
 
@@ -128,6 +144,8 @@ def load_run(run_dir: Path) -> RunResult:
     settings = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
                 if k not in EXECUTION_KEYS and k not in ("seed", "method", "workers", "inner_steps")}
     settings["processes"] = summary.get("processes", 1)
+    evaluations = _read_curve(run_dir / METRICS_FILE)
+    peak = max(evaluations, key=lambda point: point[2], default=None)
     return RunResult(
         name=run_dir.name, method=cfg["method"], workers=None if dp else cfg["workers"],
         inner_steps=None if dp else cfg["inner_steps"], seed=cfg["seed"], model=cfg["model"],
@@ -135,24 +153,41 @@ def load_run(run_dir: Path) -> RunResult:
         tokens=summary.get("tokens") or from_dict(cfg).train_steps * cfg["global_batch"] * cfg["seq_len"],
         final_val_loss=summary.get("final_val_loss"), unigram_baseline=summary.get("unigram_baseline"),
         wall_time_s=summary.get("wall_time_s"), cpu_time_s=summary.get("cpu_time_s"),
-        curve=_read_curve(run_dir / METRICS_FILE),
+        curve=tuple((tokens, loss) for _, tokens, loss in evaluations),
+        peak=None if peak is None else (peak[0], peak[2]),
+        wire_bytes=summary.get("cross_island_wire_bytes"), exposed_sync_s=summary.get("exposed_sync_seconds"),
         settings=tuple(sorted(settings.items())))
 
 
-def load_runs(directory: Path) -> list[RunResult]:
-    """Every run directly under `directory`, sorted, each with its gap to the matching dp run."""
+def load_runs(directory: Path, repeats: list[tuple[RunResult, RunResult]] | None = None) -> list[RunResult]:
+    """Every run directly under `directory`, sorted, each with its gap to the matching dp run. Of
+    two runs of one point with the same seed, the first by name is kept; `repeats`, when given,
+    receives each (left out, kept) pair."""
     if not directory.is_dir():
         raise ReportError(f"{directory} is not a directory: give the folder a sweep wrote its runs to")
     runs = [load_run(p) for p in directory.iterdir() if (p / CONFIG_FILE).is_file()]
     if not runs:
         raise ReportError(f"{directory} holds no run directories (folders with {CONFIG_FILE}); give the --out "
                           "folder of `isoloco sweep` or a folder of `isoloco train` runs")
-    runs = sorted(_with_variants(runs), key=_sort_key)
+    runs = _drop_repeats(sorted(_with_variants(runs), key=_sort_key), repeats if repeats is not None else [])
     # The reference of a run: the dp run of its budget and seed, of the strongest dp variant.
     strongest = {budget: variants[0] for budget, variants in dp_variants(runs).items()}
     reference = {(r.budget, r.seed): r.final_val_loss for r in runs if r.is_dp and r.final_val_loss is not None
                  and r.variant == strongest[r.budget]}
     return [replace(r, gap_pct=_gap(r.final_val_loss, reference.get((r.budget, r.seed)))) for r in runs]
+
+
+def _drop_repeats(runs: list[RunResult], repeats: list[tuple[RunResult, RunResult]]) -> list[RunResult]:
+    """One run per point and seed: a second run of the same seed is the same sample again (a rerun,
+    or one run linked twice), so averaging both would count one seed as two and shrink the spread."""
+    kept: dict[tuple, RunResult] = {}
+    for run in runs:
+        key = (run.method, run.workers, run.inner_steps, run.budget, run.variant, run.seed)
+        if key in kept:
+            repeats.append((run, kept[key]))
+        else:
+            kept[key] = run
+    return list(kept.values())
 
 
 def dp_variants(runs: list[RunResult]) -> dict[tuple, list[str]]:
@@ -171,21 +206,39 @@ def _show(value: Any) -> str:
     return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
+#: Keys some method's defaults set (merge.density: TIES's): a method that does not set one ignores it.
+_METHOD_KEYS = {key for values in METHODS.values() for key in values}
+
+
+def _applies(key: str, method: str) -> bool:
+    """Whether `key` can change what `method` computes: dp has no merge and no outer step, and a
+    key that only some methods' defaults set (a merge rule's parameter) belongs to those."""
+    if METHODS.get(method, {}).get("algorithm") == "dp" and key.startswith(("merge.", "outer.")):
+        return False
+    return key not in _METHOD_KEYS or key in METHODS.get(method, {})
+
+
 def _with_variants(runs: list[RunResult]) -> list[RunResult]:
-    """Each run with its variant: the settings whose values differ between the runs of its method."""
+    """Each run with its variant: the settings whose values differ between the runs of its method;
+    and what the tables show of it: those, and its values of the settings other methods vary."""
     by_method: dict[str, list[RunResult]] = {}
     for run in runs:
         by_method.setdefault(run.method, []).append(run)
-    labelled = []
-    for members in by_method.values():
+    varying: dict[str, list[str]] = {}
+    for method, members in by_method.items():
         values: dict[str, set] = {}
         for run in members:
             for key, value in run.settings:
                 values.setdefault(key, set()).add(value)
-        varying = sorted(key for key, seen in values.items() if len(seen) > 1)
+        varying[method] = sorted(key for key, seen in values.items() if len(seen) > 1)
+    anywhere = sorted({key for keys in varying.values() for key in keys})
+    labelled = []
+    for method, members in by_method.items():
+        shown = sorted({*varying[method], *(key for key in anywhere if _applies(key, method))})
         for run in members:
             own = dict(run.settings)
-            labelled.append(replace(run, variant=" ".join(f"{key}={_show(own.get(key))}" for key in varying)))
+            labelled.append(replace(run, variant=" ".join(f"{key}={_show(own.get(key))}" for key in varying[method]),
+                                    shown_variant=" ".join(f"{key}={_show(own.get(key))}" for key in shown)))
     return labelled
 
 
@@ -213,6 +266,15 @@ class Group:
     @property
     def unstable(self) -> bool:
         return any(r.unstable for r in self.runs)
+
+    @property
+    def rose_above_unigram(self) -> bool:
+        return any(r.rose_above_unigram for r in self.runs)
+
+    @property
+    def peak_loss(self) -> float | None:
+        """The highest validation loss any of its runs reached."""
+        return max((r.peak[1] for r in self.runs if r.peak is not None), default=None)
 
 
 def group_runs(runs: list[RunResult]) -> list[Group]:
@@ -248,28 +310,44 @@ def _csv(header: list[str], rows: Iterable[list[str]]) -> str:
     return buffer.getvalue()
 
 
+def _has_link(runs: Iterable[RunResult]) -> bool:
+    """Whether any run records its link traffic: only then do the tables get those columns."""
+    return any(r.wire_bytes is not None or r.exposed_sync_s is not None for r in runs)
+
+
 def results_csv(runs: list[RunResult]) -> str:
+    link = _has_link(runs)
     return _csv(
         ["run", "method", "R", "H", "variant", "seed", "model", "tokens", "final_val_loss", "gap_to_dp_pct",
-         "wall_time_s", "cpu_time_s", "status"],
+         "peak_val_loss", "peak_step", "above_unigram_at_an_evaluation", "wall_time_s", "cpu_time_s",
+         *(["cross_island_wire_bytes", "exposed_sync_seconds"] if link else []), "status"],
         ([r.name, r.method, _fmt(r.workers, "d"), _fmt(r.inner_steps, "d"), r.variant, str(r.seed), r.model,
-          str(r.tokens),
-          _fmt(r.final_val_loss, ".6f"), _fmt(r.gap_pct, ".4f"), _fmt(r.wall_time_s, ".1f"), _fmt(r.cpu_time_s, ".1f"),
+          str(r.tokens), _fmt(r.final_val_loss, ".6f"), _fmt(r.gap_pct, ".4f"),
+          _fmt(r.peak and r.peak[1], ".6f"), _fmt(r.peak and r.peak[0], "d"), str(r.rose_above_unigram).lower(),
+          _fmt(r.wall_time_s, ".1f"), _fmt(r.cpu_time_s, ".1f"),
+          *([_fmt(r.wire_bytes, "d"), _fmt(r.exposed_sync_s, ".3f")] if link else []),
           "finished" if r.final_val_loss is not None else "incomplete"] for r in runs))
 
 
 def summary_csv(groups: list[Group]) -> str:
+    link = _has_link(r for g in groups for r in g.runs)
     rows = []
     for g in groups:
         loss, loss_std = _mean_std(g.values("final_val_loss"))
         gap, gap_std = _mean_std(g.values("gap_pct"))
         wall, _ = _mean_std(g.values("wall_time_s"))
         cpu, _ = _mean_std(g.values("cpu_time_s"))
+        wire, _ = _mean_std(g.values("wire_bytes"))
+        exposed, _ = _mean_std(g.values("exposed_sync_s"))
         rows.append([g.first.method, _fmt(g.first.workers, "d"), _fmt(g.first.inner_steps, "d"), g.first.variant,
                      g.first.model, str(g.first.tokens), str(len(g.values("final_val_loss"))), _fmt(loss, ".6f"),
-                     _fmt(loss_std, ".6f"), _fmt(gap, ".4f"), _fmt(gap_std, ".4f"), _fmt(wall, ".1f"), _fmt(cpu, ".1f")])
+                     _fmt(loss_std, ".6f"), _fmt(gap, ".4f"), _fmt(gap_std, ".4f"), _fmt(g.peak_loss, ".6f"),
+                     str(sum(r.rose_above_unigram for r in g.runs)), _fmt(wall, ".1f"), _fmt(cpu, ".1f"),
+                     *([_fmt(wire, ".0f"), _fmt(exposed, ".3f")] if link else [])])
     return _csv(["method", "R", "H", "variant", "model", "tokens", "seeds", "final_val_loss_mean", "final_val_loss_std",
-                 "gap_to_dp_pct_mean", "gap_to_dp_pct_std", "wall_time_s_mean", "cpu_time_s_mean"], rows)
+                 "gap_to_dp_pct_mean", "gap_to_dp_pct_std", "peak_val_loss_max", "runs_above_unigram_at_an_evaluation",
+                 "wall_time_s_mean", "cpu_time_s_mean",
+                 *(["cross_island_wire_bytes_mean", "exposed_sync_seconds_mean"] if link else [])], rows)
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -284,21 +362,31 @@ def _dash(value: int | None) -> str:
 
 #: What marks an unstable run, or a point with one, in the tables of results.md.
 UNSTABLE_MARK = "†"
+#: What marks a run (or a point with one) whose validation loss was above the unigram baseline at an evaluation.
+ABOVE_UNIGRAM_MARK = "‡"
 
 
-def _marked(text: str, unstable: bool) -> str:
-    return f"{text} {UNSTABLE_MARK}" if unstable else text
+def _marked(text: str, unstable: bool, mark: str = UNSTABLE_MARK) -> str:
+    return f"{text} {mark}" if unstable else text
 
 
-def _unstable_footnote(marked: bool, scope: str = "") -> list[str]:
-    """The line under a table that says what its marks mean; none when nothing is marked."""
-    if not marked:
-        return []
-    return ["", f"{UNSTABLE_MARK} ended above the unigram baseline (unstable){scope}: not counted as support."]
+def _footnotes(unstable: bool, above: bool, scope: str = "") -> list[str]:
+    """The lines under a table that say what its marks mean; none when nothing is marked."""
+    lines = [f"{UNSTABLE_MARK} ended above the unigram baseline (unstable){scope}: not counted as support."] * unstable
+    lines += [f"{ABOVE_UNIGRAM_MARK} validation loss above the unigram baseline at an evaluation{scope} (peak val "
+              "loss): at an early one the model had not yet learnt the token frequencies; at a later one it "
+              "diverged for a while."] * above
+    return ["", *lines] if lines else []
+
+
+def _peak(run: RunResult) -> str:
+    if run.peak is None:
+        return "—"
+    return _marked(f"{run.peak[1]:.4f} (step {run.peak[0]})", run.rose_above_unigram, ABOVE_UNIGRAM_MARK)
 
 
 def results_markdown(title: str, runs: list[RunResult], groups: list[Group], manifest: dict[str, Any] | None,
-                     plots: list[tuple[str, str]]) -> str:
+                     plots: list[tuple[str, str]], repeats: list[tuple[RunResult, RunResult]] = ()) -> str:
     finished = [r for r in runs if r.final_val_loss is not None]
     budgets = sorted({r.budget for r in runs})
     cpu = [r.cpu_time_s for r in finished if r.cpu_time_s is not None]
@@ -317,31 +405,48 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
         if len(variants) > 1:
             parts += ["", f"dp ran with several settings for model {model} at {tokens:,} tokens: the gaps are to "
                           f"`{variants[0]}`, the one with the lowest mean final loss."]
+    if repeats:
+        parts += ["", "Runs of one point with a seed already counted, left out of every table, mean and plot "
+                      "(one seed is one sample): " + "; ".join(f"{left.name} (seed {left.seed}, as {kept.name})"
+                                                               for left, kept in repeats) + "."]
     # A variant column only where runs of one method differ in more than seed, R and H.
-    variant = (lambda r: [r.variant or "—"]) if any(r.variant for r in runs) else (lambda r: [])
+    variant = (lambda r: [r.shown_variant or "—"]) if any(r.variant for r in runs) else (lambda r: [])
     variant_header = ["variant"] if any(r.variant for r in runs) else []
+    # Link columns only where a run records its traffic; older runs show "—" beside newer ones.
+    link = _has_link(runs)
+    link_header = ["wire bytes", "exposed sync (s)"] if link else []
+
+
     parts += ["", "Gap to DP = (loss − loss_DP) / loss_DP × 100, against the dp run of the same model, token "
                   "budget and seed (dp does not depend on R or H). Mean ± sample standard deviation over seeds; "
-                  "runs of a method that differ in anything but the seed (their variant) are separate rows.",
+                  "runs of a method that differ in anything but the seed (their variant) are separate rows. Peak "
+                  "val loss: the highest validation loss at any evaluation (of any seed)."
+              + (" Wire bytes: what crossed between islands over the run, all processes; exposed sync: the "
+                 "seconds training waited for synchronisations." if link else ""),
               "", "## By method, R and H", "",
-              _md_table(["method", "R", "H", *variant_header, "seeds", "final val loss", "gap to DP (%)", "tokens",
-                         "wall time (s)", "CPU time (s)"],
+              _md_table(["method", "R", "H", *variant_header, "seeds", "final val loss", "gap to DP (%)",
+                         "peak val loss", "tokens", "wall time (s)", "CPU time (s)", *link_header],
                         [[g.first.method, _dash(g.first.workers), _dash(g.first.inner_steps), *variant(g.first),
                           str(len(g.values("final_val_loss"))),
                           _marked(_pm(g.values("final_val_loss"), ".4f"), g.unstable),
-                          _pm(g.values("gap_pct"), "+.2f"), f"{g.first.tokens:,}", _pm(g.values("wall_time_s"), ".0f"),
-                          _pm(g.values("cpu_time_s"), ".0f")]
+                          _pm(g.values("gap_pct"), "+.2f"),
+                          _marked(_fmt(g.peak_loss, ".4f") or "—", g.rose_above_unigram, ABOVE_UNIGRAM_MARK),
+                          f"{g.first.tokens:,}", _pm(g.values("wall_time_s"), ".0f"),
+                          _pm(g.values("cpu_time_s"), ".0f"),
+                          *([_pm(g.values("wire_bytes"), ",.0f"), _pm(g.values("exposed_sync_s"), ".2f")] if link else [])]
                          for g in groups]),
-              *_unstable_footnote(any(g.unstable for g in groups), " in at least one seed"),
+              *_footnotes(any(g.unstable for g in groups), any(g.rose_above_unigram for g in groups),
+                          " in at least one seed"),
               "", "## Every run", "",
               _md_table(["run", "method", "R", "H", *variant_header, "seed", "final val loss", "gap to DP (%)",
-                         "tokens", "wall time (s)", "CPU time (s)"],
+                         "peak val loss", "tokens", "wall time (s)", "CPU time (s)", *link_header],
                         [[r.name, r.method, _dash(r.workers), _dash(r.inner_steps), *variant(r), str(r.seed),
                           _marked(_fmt(r.final_val_loss, ".4f") or "incomplete", r.unstable),
-                          _fmt(r.gap_pct, "+.2f") or "—", f"{r.tokens:,}", _fmt(r.wall_time_s, ".0f") or "—",
-                          _fmt(r.cpu_time_s, ".0f") or "—"]
+                          _fmt(r.gap_pct, "+.2f") or "—", _peak(r), f"{r.tokens:,}", _fmt(r.wall_time_s, ".0f") or "—",
+                          _fmt(r.cpu_time_s, ".0f") or "—",
+                          *([_fmt(r.wire_bytes, ",d") or "—", _fmt(r.exposed_sync_s, ".2f") or "—"] if link else [])]
                          for r in runs]),
-              *_unstable_footnote(any(r.unstable for r in runs))]
+              *_footnotes(any(r.unstable for r in runs), any(r.rose_above_unigram for r in runs))]
     if plots:
         parts += ["", "## Plots", ""] + [f"![{caption}]({PLOT_DIR}/{file})" for file, caption in plots]
     return "\n".join(parts) + "\n"
@@ -369,10 +474,38 @@ def _log2_axis(ax: Any, values: list[int], title: str) -> None:
     ax.set_xlabel(title)
 
 
+_AXIS_NAMES = {"workers": "R", "inner_steps": "H", "tokens": "tokens"}
+
+
 def _series_label(run: RunResult, varying: list[str]) -> str:
-    short = {"workers": "R", "inner_steps": "H", "tokens": "tokens"}
+    """What tells a series apart in full: its method, variant and the other varying axes."""
     variant = f" {run.variant}" if run.variant else ""
-    return run.method + variant + "".join(f" {short[d]}={getattr(run, d)}" for d in varying)
+    return run.method + variant + "".join(f" {_AXIS_NAMES[d]}={getattr(run, d)}" for d in varying)
+
+
+def _legend_names(labels: Iterable[str]) -> dict[str, str]:
+    """Full series label -> a legend name: the method, and only the settings in which the series
+    differ, each where its value is not the reference one (the key's default where a series has it,
+    else the value most series share, ties by text), without `merge.`. Two series that differ in a
+    setting cannot both hold its reference value, so the names stay distinct."""
+    parsed = {label: (label.split()[0], dict(part.partition("=")[::2] for part in label.split()[1:]))
+              for label in dict.fromkeys(labels)}
+    keys = sorted({key for _, settings in parsed.values() for key in settings})
+    common = {}
+    for key in keys:
+        seen = [settings.get(key, "") for _, settings in parsed.values()]
+        default = _show(_DEFAULT_SETTINGS[key]) if key in _DEFAULT_SETTINGS else None
+        if len(set(seen)) > 1:
+            common[key] = default if default in seen else min(set(seen), key=lambda v: (-seen.count(v), v))
+    return {label: " ".join([method, *(f"{key.removeprefix('merge.')}={settings.get(key, '')}" for key in common
+                                       if settings.get(key, "") != common[key])])
+            for label, (method, settings) in parsed.items()}
+
+
+def _dodge(x: float, index: int, count: int) -> float:
+    """x moved a little along a log axis, series by series, so that series at the same point stay
+    visible side by side: at most ±0.15 of a factor of 2 in all."""
+    return x if count < 2 else x * 2 ** ((index - (count - 1) / 2) * min(0.04, 0.3 / (count - 1)))
 
 
 #: Beyond this many series a plot's legend goes beside the axes instead of over the lines.
@@ -394,14 +527,15 @@ def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
     # A series run at one value of the axis says nothing about it: where others span it, leave it out.
     series = {label: points for label, points in series.items() if len(points) > 1} or series
     colors = _colors(series)
+    names = _legend_names(series)
     fig = Figure(figsize=(6.4, 4.4), layout="constrained")
     ax = fig.add_subplot()
     ax.set_title(f"{'Gap to DP' if gap else 'Final validation loss'} against {X_AXES[axis][1]}")
-    for label, points in series.items():
+    for index, (label, points) in enumerate(series.items()):
         xs = sorted(points)
         stats = [_mean_std(points[x]) for x in xs]
-        ax.errorbar(xs, [m for m, _ in stats], yerr=[s or 0.0 for _, s in stats], marker="o", capsize=3,
-                    color=colors[label], label=label)
+        ax.errorbar([_dodge(x, index, len(series)) for x in xs], [m for m, _ in stats],
+                    yerr=[s or 0.0 for _, s in stats], marker="o", capsize=3, color=colors[label], label=names[label])
     if gap:
         ax.axhline(0.0, color="black", linestyle="--", linewidth=1, label="dp")
         ax.set_ylabel("gap to DP (%)")
@@ -456,18 +590,20 @@ def _against_knob(runs: list[RunResult], key: str, knobs: dict[str, list[str]]) 
     references = [g for g in group_runs([r for r in runs if r.method not in searched_any and r.final_val_loss is not None])
                   if g.first.is_dp or (not varying and (g.first.workers, g.first.inner_steps, g.first.budget) == where)]
     colors = _colors([*series, *(g.first.label for g in references if not g.first.is_dp)])
+    names = _legend_names([*series, *(g.first.label for g in references if not g.first.is_dp)])
     for label, points in series.items():
         xs = sorted(points)
         stats = [_mean_std(points[x]) for x in xs]
         ax.errorbar(xs, [m for m, _ in stats], yerr=[s or 0.0 for _, s in stats], marker="o", capsize=3,
-                    color=colors[label], label=label)
+                    color=colors[label], label=names[label])
     # Flat lines: what the searched method is compared with (dp; the other methods at its one R and H).
     for group in references:
         mean = _mean_std(group.values("final_val_loss"))[0]
         if group.first.is_dp:
             ax.axhline(mean, color="black", linestyle="--", linewidth=1, label="dp")
         else:
-            ax.axhline(mean, color=colors[group.first.label], linestyle=":", linewidth=1.5, label=group.first.label)
+            ax.axhline(mean, color=colors[group.first.label], linestyle=":", linewidth=1.5,
+                       label=names[group.first.label])
     ticks = sorted({x for points in series.values() for x in points})
     if ticks[0] > 0 and ticks[-1] / ticks[0] >= 4:  # a search over scales (learning rates): log axis
         from matplotlib.ticker import NullLocator
@@ -496,6 +632,7 @@ def _curves(runs: list[RunResult]) -> Any:
     varying = [d for d in ("inner_steps", "tokens") if len({getattr(r, d) for r in trained}) > 1]
     seeds = len({r.seed for r in with_curve}) > 1
     colors = _colors(_series_label(r, varying) for r in trained)
+    names = _legend_names(colors)
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig = Figure(figsize=(4.2 * cols + 1.8, 3.4 * rows), layout="constrained")
@@ -508,7 +645,7 @@ def _curves(runs: list[RunResult]) -> Any:
     handles: dict[str, Any] = {}
     for ax, workers in zip(axes, panels):
         for r in [x for x in with_curve if x.is_dp or x.workers == workers]:
-            label = "dp" if r.is_dp else _series_label(r, varying)
+            label = "dp" if r.is_dp else names[_series_label(r, varying)]
             label += f" seed {r.seed}" if seeds else ""
             color, style = ("black", "--") if r.is_dp else (colors[_series_label(r, varying)], "-")
             (line,) = ax.plot([t for t, _ in r.curve], [v for _, v in r.curve], marker=".", color=color,
@@ -539,6 +676,8 @@ def write_plots(runs: list[RunResult], folder: Path) -> list[tuple[str, str]]:
         for axis, (short, _) in X_AXES.items():
             if trained and (axis == "workers" or len({getattr(r, axis) for r in trained}) > 1):
                 for gap, stem, caption in ((False, "val_loss", "Final validation loss"), (True, "gap", "Gap to DP")):
+                    if gap and all(r.gap_pct is None for r in trained):
+                        continue  # no dp run to measure a gap to: an empty chart says nothing
                     file = f"{stem}_vs_{short}.png"
                     _save(_against(runs, axis, gap), folder / file)
                     written.append((file, f"{caption} vs {short}"))
@@ -576,6 +715,49 @@ def t_quantile(confidence: int, df: int) -> float:
     return table[df - 1] if df <= len(table) else normal
 
 
+def t_two_sided_p(t: float, df: int) -> float:
+    """P(|T| ≥ |t|) for Student's t with `df` degrees of freedom, exact for whole df: the finite
+    series of Abramowitz & Stegun 26.7.3-4 for P(|T| < |t|) in θ = arctan(|t|/√df)."""
+    theta = math.atan(abs(t) / math.sqrt(df))
+    cos2 = math.cos(theta) ** 2
+    if df % 2:  # odd: (2/π)(θ + sinθ cosθ (1 + (2/3)cos²θ + (2·4)/(3·5)cos⁴θ + ...)), df − 2 the last power
+        term, total = 1.0, 0.0
+        for k in range(1, (df - 1) // 2 + 1):
+            total += term
+            term *= cos2 * 2 * k / (2 * k + 1)
+        inside = 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
+    else:  # even: sinθ (1 + (1/2)cos²θ + (1·3)/(2·4)cos⁴θ + ...), df − 2 the last power
+        term, total = 1.0, 0.0
+        for k in range(1, df // 2 + 1):
+            total += term
+            term *= cos2 * (2 * k - 1) / (2 * k)
+        inside = math.sin(theta) * total
+    return max(0.0, 1.0 - inside)
+
+
+def paired_p(differences: list[float]) -> float:
+    """The two-sided p-value of the paired t-test that the mean difference is 0 (two seeds or more)."""
+    mean, std = statistics.fmean(differences), statistics.stdev(differences)
+    if std == 0:  # every seed the same difference: certain, unless that difference is 0
+        return 1.0 if mean == 0 else 0.0
+    return t_two_sided_p(mean / (std / math.sqrt(len(differences))), len(differences) - 1)
+
+
+def benjamini_hochberg(pvalues: list[float]) -> list[float]:
+    """Benjamini–Hochberg adjusted p-values, in the order given: p_(i) · m / i over the ranks i of
+    the sorted p-values, made non-decreasing from the largest down, at most 1. A difference whose
+    adjusted p is below q keeps the false discovery rate of the whole family at q."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adjusted = [0.0] * m
+    running = 1.0
+    for rank in range(m, 0, -1):
+        index = order[rank - 1]
+        running = min(running, pvalues[index] * m / rank)
+        adjusted[index] = running
+    return adjusted
+
+
 def mean_ci(values: list[float], confidence: int = 95) -> tuple[float, float | None]:
     """The mean and the half-width of its `confidence`% t-interval over the seeds (None for one)."""
     mean = statistics.fmean(values)
@@ -588,6 +770,8 @@ def mean_ci(values: list[float], confidence: int = 95) -> tuple[float, float | N
 DEFAULT_MARGIN_PCT = 1.0
 ONE_SEED = "one seed: no call"
 UNSTABLE_RUNS = "unstable run(s): no call"
+#: The false discovery rate the Benjamini–Hochberg column of compare.md holds a report's calls to.
+FDR = 0.05
 
 #: A's and B's runs at one point (R, H, budget), one pair per seed both ran.
 Paired = Iterable[tuple[RunResult, RunResult]]
@@ -605,26 +789,54 @@ def _undecided(seeds: int) -> str:
     return f"not distinguishable with {seeds} seeds"
 
 
-def _judge(paired: list[tuple[RunResult, RunResult]], a: str, b: str, margin_pct: float) -> tuple[str, str]:
+@dataclass(frozen=True)
+class Judged:
+    """The tests of A − B at one point: the call, the equivalence test's result, and what the call
+    falls back to when a multiple-comparison correction drops the difference; p is None where no
+    test is made (one seed, an unstable run)."""
+
+    call: str
+    equivalence: str
+    fallback: str
+    p: float | None = None
+
+    @property
+    def called(self) -> bool:
+        return self.call.endswith(" lower")
+
+
+def _judge(paired: list[tuple[RunResult, RunResult]], a: str, b: str, margin_pct: float) -> Judged:
     """The call on A − B at one point, and the equivalence test's result: the 90% t-interval of the
     difference in % of B's mean final loss, and whether it lies inside ±margin_pct (TOST at level
     0.05). A difference is called when its 95% interval excludes 0, whatever the test says; a tie
     only when the test passes."""
     if _has_unstable(paired):
-        return UNSTABLE_RUNS, UNSTABLE_RUNS
+        return Judged(UNSTABLE_RUNS, UNSTABLE_RUNS, UNSTABLE_RUNS)
     if len(paired) < 2:
-        return ONE_SEED, ONE_SEED
+        return Judged(ONE_SEED, ONE_SEED, ONE_SEED)
     differences = _differences(paired)
     b_loss = statistics.fmean(b_run.final_val_loss for _, b_run in paired)
     mean, half = mean_ci(differences, 90)
     low, high = 100 * (mean - half) / b_loss, 100 * (mean + half) / b_loss
     equivalent = -margin_pct < low and high < margin_pct
+    tie = f"equivalent within ±{margin_pct:g}%"
     mean, half = mean_ci(differences, 95)
-    if abs(mean) > half:
-        call = f"{a} lower" if mean < 0 else f"{b} lower"
-    else:
-        call = f"equivalent within ±{margin_pct:g}%" if equivalent else _undecided(len(differences))
-    return call, f"[{low:+.2f}%, {high:+.2f}%] {'pass' if equivalent else 'fail'}"
+    call = ((f"{a} lower" if mean < 0 else f"{b} lower") if abs(mean) > half
+            else tie if equivalent else _undecided(len(differences)))
+    return Judged(call, f"[{low:+.2f}%, {high:+.2f}%] {'pass' if equivalent else 'fail'}",
+                  tie if equivalent else "not called after BH", paired_p(differences))
+
+
+def _after_bh(judged: Judged, adjusted: float | None) -> tuple[str, str]:
+    """The p column (raw, and BH-adjusted in brackets) and the call that survives the adjustment."""
+    if judged.p is None:
+        return "—", judged.call
+    p = f"{_p(judged.p)} ({_p(adjusted)})"
+    return p, judged.fallback if judged.called and adjusted >= FDR else judged.call
+
+
+def _p(value: float) -> str:
+    return f"{value:.3f}" if value >= 0.001 else "<0.001"
 
 
 def _interval(mean: float, half: float | None) -> str:
@@ -652,22 +864,43 @@ def _trend(points: dict[tuple, dict[int, tuple[RunResult, RunResult]]], a: str, 
                 f"{_interval(mean, half)} ({trend})."]
 
 
-Finished = dict[tuple, RunResult]
+Finished = list[RunResult]
+
+
+def _matches(run: RunResult, label: str) -> bool:
+    """Whether `label` (a method, then any of the `key=value` settings results.md shows for the
+    run) names the run: `diloco` and `diloco outer.lr=0.7` both name DiLoCo's runs at lr 0.7."""
+    method, *settings = label.split()
+    return run.method == method and set(settings) <= set(run.shown_variant.split())
+
+
+def _named(finished: Finished, label: str) -> dict[tuple, RunResult]:
+    """(R, H, budget, seed) -> the one run `label` names there; an error when it names several."""
+    named: dict[tuple, RunResult] = {}
+    for run in finished:
+        if _matches(run, label):
+            key = (run.workers, run.inner_steps, run.budget, run.seed)
+            if key in named:
+                raise ReportError(f"--compare {label!r} names runs of several settings at one point: "
+                                  f"{named[key].label!r} and {run.label!r}; name one of them in full")
+            named[key] = run
+    return named
 
 
 def _paired_points(finished: Finished, a: str, b: str) -> dict[tuple, dict[int, tuple[RunResult, RunResult]]]:
     """(R, H, budget) -> seed -> (A's run, B's run), where both finished with that seed (B = a
     dp method: its run of the seed, at every R and H)."""
     points: dict[tuple, dict[int, tuple[RunResult, RunResult]]] = {}
-    for (label, workers, inner, budget, seed), run in finished.items():
-        other = finished.get((b, workers, inner, budget, seed)) or finished.get((b, None, None, budget, seed))
-        if label == a and other is not None:
+    others = _named(finished, b)
+    for (workers, inner, budget, seed), run in _named(finished, a).items():
+        other = others.get((workers, inner, budget, seed)) or others.get((None, None, budget, seed))
+        if other is not None:
             points.setdefault((workers or 0, inner or 0, budget), {})[seed] = (run, other)
     return points
 
 
 def _finished(runs: list[RunResult]) -> Finished:
-    return {(r.label, r.workers, r.inner_steps, r.budget, r.seed): r for r in runs if r.final_val_loss is not None}
+    return [r for r in runs if r.final_val_loss is not None]
 
 
 def contrast_markdown(runs: list[RunResult], contrasts: list[tuple[tuple[str, str], tuple[str, str]]]) -> str:
@@ -711,7 +944,8 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]],
     mean gaps to DP over those seeds; with several R, also how the difference changes from the
     smallest R to the largest. A and B are run labels: a method, or a method and its variant
     ("isoc outer.lr=3.0"). Several pairs also get one table of every pair's rows first, to read
-    (and quote) side by side."""
+    (and quote) side by side. Beside each call: the paired t-test's p-value, its Benjamini–Hochberg
+    adjustment over every test of the report, and the call that survives the adjustment."""
     finished = _finished(runs)
     margin = f"±{margin_pct:g}%"
     parts = ["# Paired comparisons", "",
@@ -725,19 +959,30 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]],
              "lie within the margin too: the call is then the difference, and the equivalence column still says "
              "pass. A point where a run of either method, at any seed, ended above its unigram baseline "
              "(unstable) gets neither a call nor a test, and is left out of the change with R. The gaps to DP "
-             "are means over the same seeds."]
-    sections: list[str] = []
-    every_pair: list[list[str]] = []
+             "are means over the same seeds.",
+             "",
+             "p (BH): the two-sided p-value of the paired t-test, and in brackets its Benjamini–Hochberg "
+             f"adjustment over every test in this file; \"call after BH\" keeps a difference only where the "
+             f"adjusted p is below {FDR:g}, which holds the expected share of false calls among this file's "
+             f"calls to {FDR:g} (a dropped difference falls back to the equivalence test)."]
+    judged_points = []
     for a, b in pairs:
         points = _paired_points(finished, a, b)
+        judged_points.append((a, b, points, [(key, _judge(list(by_seed.values()), a, b, margin_pct))
+                                             for key, by_seed in sorted(points.items())]))
+    tested = [judged for *_, rows in judged_points for _, judged in rows if judged.p is not None]
+    adjusted = dict(zip(map(id, tested), benjamini_hochberg([judged.p for judged in tested])))
+    sections: list[str] = []
+    every_pair: list[list[str]] = []
+    for a, b, points, judged_rows in judged_points:
         rows = []
-        for (workers, inner, budget), by_seed in sorted(points.items()):
-            paired = list(by_seed.values())
+        for (workers, inner, budget), judged in judged_rows:
+            paired = list(points[workers, inner, budget].values())
             gaps = [_mean_std([r.gap_pct for r in side if r.gap_pct is not None])[0] for side in zip(*paired)]
             ratio = gaps[0] / gaps[1] if None not in gaps and gaps[1] else None
-            call, equivalence = _judge(paired, a, b, margin_pct)
             rows.append([_dash(workers or None), _dash(inner or None), str(len(paired)),
-                         _interval(*mean_ci(_differences(paired))), equivalence, call,
+                         _interval(*mean_ci(_differences(paired))), judged.equivalence, judged.call,
+                         *_after_bh(judged, adjusted.get(id(judged))),
                          *(_fmt(g, "+.2f") or "—" for g in gaps), _fmt(ratio, ".2f") or "—"])
         every_pair += [[f"{a} − {b}", *row] for row in rows]
         sections += ["", f"## {a} − {b}", ""]
@@ -745,12 +990,12 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]],
             sections.append(f"No point where both {a} and {b} finished with the same seed.")
             continue
         sections.append(_md_table(["R", "H", "seeds", f"{a} − {b} (final loss)", f"equivalence ({margin})", "call",
-                                   f"gap {a} (%)", f"gap {b} (%)", "gap ratio"], rows))
+                                   "p (BH)", "call after BH", f"gap {a} (%)", f"gap {b} (%)", "gap ratio"], rows))
         sections += _trend(points, a, b)
     if len(pairs) > 1 and every_pair:
         parts += ["", "## Every pair", "",
                   _md_table(["A − B", "R", "H", "seeds", "A − B (final loss)", f"equivalence ({margin})", "call",
-                             "gap A (%)", "gap B (%)", "gap ratio"], every_pair)]
+                             "p (BH)", "call after BH", "gap A (%)", "gap B (%)", "gap ratio"], every_pair)]
     return "\n".join(parts + sections) + "\n"
 
 
@@ -758,8 +1003,10 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]],
 # The command
 
 
-def write_report(directory: Path) -> None:
-    runs = load_runs(directory)
+def write_report(directory: Path) -> list[tuple[RunResult, RunResult]]:
+    """Write the tables and plots; return the runs left out as repeats of a seed, each with the one kept."""
+    repeats: list[tuple[RunResult, RunResult]] = []
+    runs = load_runs(directory, repeats)
     groups = group_runs(runs)
     manifest_path = directory / SWEEP_MANIFEST
     manifest = yaml.safe_load(manifest_path.read_text()) if manifest_path.is_file() else None
@@ -770,7 +1017,8 @@ def write_report(directory: Path) -> None:
     (directory / CSV_FILE).write_text(results_csv(runs))
     (directory / SUMMARY_CSV_FILE).write_text(summary_csv(groups))
     title = directory.resolve().name
-    (directory / MARKDOWN_FILE).write_text(results_markdown(title, runs, groups, manifest, plots))
+    (directory / MARKDOWN_FILE).write_text(results_markdown(title, runs, groups, manifest, plots, repeats))
+    return repeats
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -778,7 +1026,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     pairs = [_pair(text) for text in args.compare]
     contrasts = [_contrast(text) for text in args.contrast]
     margin_pct = _margin(args.margin)
-    write_report(directory)
+    for left, kept in write_report(directory):
+        print(f"warning: {left.name} repeats seed {left.seed} of {kept.name} (same method and settings): counted "
+              f"once, as {kept.name}; give the rerun another seed or move it out of {directory}", file=sys.stderr)
     print(f"wrote {directory / MARKDOWN_FILE}, {CSV_FILE}, {SUMMARY_CSV_FILE} and {directory / PLOT_DIR}/")
     if pairs:
         (directory / COMPARE_FILE).write_text(compare_markdown(load_runs(directory), pairs, margin_pct))
