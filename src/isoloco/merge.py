@@ -91,8 +91,8 @@ class MergeConfig:
     finder_dtype: str = option(
         FactorSettings.finder_dtype,
         "factors=randomized: precision of every subspace iteration but the last (the last and the final product "
-        "run in float32): auto (bfloat16 where the device multiplies it natively, else float32), bfloat16 or "
-        "float32", choices=FINDER_DTYPES)
+        "run in float32): auto (bfloat16 on CUDA GPUs of compute capability 8.0 or later, else float32; recorded "
+        "as merge_finder_dtype in summary.json and metrics.jsonl), bfloat16 or float32", choices=FINDER_DTYPES)
     quantize: str = option(
         "none", "what crosses the slow link: each worker's pseudo-gradient as float32 (none), or compressed to "
                 "bfloat16, int8 or int4 codes with absmax scales (mean and Iso-C rules only)", choices=FORMATS)
@@ -153,6 +153,13 @@ class MergeConfig:
         """The settings the rules read."""
         return Knobs(self.density, self.drop_rate, self.common_fraction, self.iso,
                      FactorSettings(self.factors, self.oversample, self.power_iters, self.finder_dtype))
+
+    def finder_precision(self, device: torch.device) -> str | None:
+        """The precision TSV's and Iso-CTS's range finder runs its early iterations in on `device`
+        (`merge.finder_dtype` resolved: float32 or bfloat16), or None where no finder runs."""
+        if self.rule not in ("tsv", "iso_cts") or self.factors == "exact":
+            return None
+        return self.knobs.factors.finder_precision(device)
 
     def excludes(self, name: str) -> bool:
         """Whether parameter `name` matches one of the `exclude` patterns."""

@@ -39,10 +39,12 @@ All functions take one matrix or a batch of same-shape matrices (..., m, n).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Literal
+import threading
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 
@@ -80,6 +82,40 @@ POLAR_EXPRESS_COEFFICIENTS = tuple(
 
 #: The dtypes the iterative methods may run in, by the names configs use.
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+#: The float32 matmul settings of the backends the merge runs on: torch's per-backend
+#: ``fp32_precision`` ("ieee": full float32; a host may set "tf32", or "bf16" on oneDNN).
+_MATMUL_BACKENDS = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+_pinned_lock = threading.Lock()
+_pinned: list[str] = []  # the settings to restore, while a pin is held
+_pin_count = 0
+
+
+@contextlib.contextmanager
+def full_float32_matmuls() -> Iterator[None]:
+    """float32 matmuls at full precision for the duration, whatever the host framework set
+    (TF32 on a GPU, bfloat16 passes on a CPU), so a merge computes the same numbers under any
+    host; the settings are restored after.
+
+    torch's settings are process-wide: nested and concurrent pins (a merge on the overlap
+    thread) restore them when the last one ends, and meanwhile every float32 matmul of the
+    process runs at full precision too: slower, never less precise (training's matmuls under
+    bfloat16 autocast are not float32 ones)."""
+    global _pin_count
+    with _pinned_lock:
+        if not _pin_count:
+            _pinned[:] = [backend.fp32_precision for backend in _MATMUL_BACKENDS]
+            for backend in _MATMUL_BACKENDS:
+                backend.fp32_precision = "ieee"
+        _pin_count += 1
+    try:
+        yield
+    finally:
+        with _pinned_lock:
+            _pin_count -= 1
+            if not _pin_count:
+                for backend, saved in zip(_MATMUL_BACKENDS, _pinned):
+                    backend.fp32_precision = saved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -504,6 +540,7 @@ def _iso_variant(matrix: torch.Tensor, settings: IsoSettings) -> torch.Tensor:
     return ((u * sigma.unsqueeze(-2)) @ vh).to(matrix.dtype)
 
 
+@full_float32_matmuls()
 def iso_correct(matrix: torch.Tensor, settings: IsoSettings = IsoSettings()) -> torch.Tensor:
     """The Iso-C correction scale · polar(M): every singular value replaced by one scale, or,
     with ``iso_power`` / ``iso_floor`` set, the spectrum reshaped by `reshaped_spectrum`.
@@ -538,13 +575,13 @@ FINDER_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.floa
 
 
 def fast_bfloat16(device: torch.device) -> bool:
-    """Whether `device` multiplies bfloat16 matrices natively: CUDA GPUs that support it, and
-    CPUs with AVX512-BF16 or AMX (elsewhere oneDNN emulates it, slower than float32)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    # torch exposes these CPU feature checks only under private names; absent means no.
-    return device.type == "cpu" and any(getattr(torch.cpu, check, lambda: False)()
-                                        for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    """Whether `device` multiplies bfloat16 matrices natively, judged by public torch APIs:
+    CUDA GPUs of compute capability 8.0 or later (`torch.cuda.is_bf16_supported` also counts
+    the emulation of earlier ones). No CPU: torch's public `torch.backends.cpu.get_cpu_capability()`
+    names the vector code it dispatches to (AVX2, AVX512, ...), never AVX512-BF16 or AMX, so it
+    cannot tell a CPU with native bfloat16 from one that emulates it; there, set
+    ``merge.finder_dtype=bfloat16`` explicitly."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -572,16 +609,23 @@ class FactorSettings:
             return torch.bfloat16 if fast_bfloat16(device) else torch.float32
         return chosen
 
+    def finder_precision(self, device: torch.device) -> str:
+        """`finder_dtype` resolved on `device`: ``float32`` or ``bfloat16``, never ``auto``."""
+        return str(self.early_dtype(device)).removeprefix("torch.")
+
+    @full_float32_matmuls()
     def full_svd(self, matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A thin SVD of all of `matrix` (Iso-CTS's common subspace): LAPACK's for ``exact``,
         else the Gram route on clearly non-square matrices, as `polar_auto` chooses."""
         return thin_svd(matrix) if self.method == "exact" else svd_auto(matrix)
 
+    @full_float32_matmuls()
     def polar(self, matrix: torch.Tensor) -> torch.Tensor:
         """The polar factor of stacked singular vectors: LAPACK's SVD for ``exact``, else the
         faster exact route for the shape (`polar_auto`)."""
         return (polar_svd(matrix) if self.method == "exact" else polar_auto(matrix)).factor
 
+    @full_float32_matmuls()
     def polar_times(self, matrix: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         """polar(matrix)·right. On a clearly tall matrix (m×r, a vocabulary-sized stack) the
         Gram route's polar factor is matrix·W with W r×r, so this is matrix·(W·right): the
@@ -591,6 +635,7 @@ class FactorSettings:
         gram = _GramRoute(matrix)
         return gram.tall @ (gram.weights() @ right.to(gram.q.dtype)).to(gram.tall.dtype)
 
+    @full_float32_matmuls()
     def polar_beside(self, orthonormal: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
         """The polar factor of [L, X] (n×(c + w), one matrix) for L with orthonormal or zero
         columns, as Iso-CTS's common block of singular vectors is, beside the workers' X.
@@ -753,6 +798,7 @@ def _randomized_svd(matrix: torch.Tensor, columns: int, power_iters: int, left_o
     return _Found(a, left_out, basis, basis @ u_small, s, vh)
 
 
+@full_float32_matmuls()
 def top_factors(matrix: torch.Tensor, k: int, settings: FactorSettings = FactorSettings(),
                 largest: torch.Tensor | None = None, left_out: torch.Tensor | None = None,
                 divisor: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -40,11 +40,14 @@ from isoloco.distributed import Distributed, ProcessLayout
 from isoloco.errors import CheckpointError, ConfigError
 from isoloco.metrics import MetricsLog, NullMetricsLog
 from isoloco.model import build_model, count_parameters
-from isoloco.rundir import CHECKPOINT_DIR, METRICS_FILE, TENSORBOARD_DIR
+from isoloco.rundir import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR
 from isoloco.spectra import SECONDS_KEY, SPECTRA_KEY, SpectraProbe
 from isoloco.stop import GracefulStop, StopRequested
 
 logger = logging.getLogger(__name__)
+
+#: summary.json, metrics.jsonl and a checkpoint's state: `merge.finder_dtype` as it resolved here.
+FINDER_DTYPE_KEY = "merge_finder_dtype"
 
 
 def use_deterministic_kernels() -> None:
@@ -119,6 +122,8 @@ class Trainer:
         self.workers = self.algorithm.workers
         self.global_params = self.algorithm.global_params
         self.spectra = spectra_probe(cfg, self.algorithm)
+        # The range finder's precision on this device, recorded: `auto` may resolve differently elsewhere.
+        self.finder_dtype = cfg.merge.finder_precision(self.device)
         #: Called after each worker's turn with (worker, start, end), before the merge: where a
         #: fault-injection test or a debugging probe looks at (or spoils) a worker's delta.
         self.after_turn: list[Callable[[Worker, int, int], None]] = []
@@ -226,6 +231,7 @@ class Trainer:
             "last_val_loss": self.last_val_loss,
             "layout": self.dist.layout.describe(),
             "config": to_dict(self.cfg),
+            FINDER_DTYPE_KEY: self.finder_dtype,
         }
         return sharded_checkpoint.save(self.dist, self._checkpoint_dir(), self.step, files, scalars, state,
                                        self.cfg.keep_checkpoints)
@@ -269,6 +275,13 @@ class Trainer:
         self.elapsed = state["elapsed_s"]
         self.cpu_seconds = state.get("cpu_s", 0.0)  # absent from checkpoints of older versions
         self.last_val_loss = state["last_val_loss"]
+        earlier = state.get(FINDER_DTYPE_KEY)
+        if earlier and self.finder_dtype and earlier != self.finder_dtype and self.dist.is_main:
+            logger.warning("the merge's range finder ran its early iterations in %s before this resume and runs them "
+                           "in %s on this device (merge.finder_dtype=%s), so TSV's and Iso-CTS's numbers will differ "
+                           "from an uninterrupted run's; to keep %s, set merge.finder_dtype: %s in %s",
+                           earlier, self.finder_dtype, self.cfg.merge.finder_dtype, earlier, earlier,
+                           self.out_dir / CONFIG_FILE)
         logger.info("resumed from %s at step %d", path, self.step)
         return state["metrics_offset"]
 
@@ -306,6 +319,8 @@ class Trainer:
                 losses, seconds = self._timed_round(start, end)
                 self.step = end
                 extra = self.algorithm.round_metrics()
+                if self.finder_dtype:
+                    extra[FINDER_DTYPE_KEY] = self.finder_dtype
                 if self._due(cfg.eval_every, start, end) or end == cfg.train_steps:
                     self.last_val_loss = extra["val_loss"] = self.evaluate()
                 self._log_round(log, start, end, losses, seconds, extra)
@@ -372,4 +387,5 @@ class Trainer:
             "wall_time_s": self.elapsed,
             "cpu_time_s": self.cpu_seconds,
             **({SECONDS_KEY: self.spectra.seconds} if self.spectra is not None else {}),
+            **({FINDER_DTYPE_KEY: self.finder_dtype} if self.finder_dtype else {}),
         }
