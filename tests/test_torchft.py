@@ -509,3 +509,27 @@ def test_groups_on_one_machine_get_a_gpu_each_or_are_refused():
     check_machine_groups(cfg, list(range(gpus)))
     with pytest.raises(ConfigError, match="would share GPUs"):
         check_machine_groups(cfg, list(range(gpus + 1)))
+
+
+def test_another_torchft_version_is_refused_in_one_line(monkeypatch):
+    from isoloco.torchft import internals
+
+    internals.check_version()  # the pinned one, installed here
+    monkeypatch.setattr(internals, "version", lambda package: "0.3.0")
+    with pytest.raises(ConfigError) as error:
+        merge_in_quorum(object(), torch.nn.Linear(2, 2), MergeConfig(rule="ties"), seed=0, replica=0)
+    message = str(error.value)
+    assert message.startswith("torchft 0.3.0 is installed, but isoloco's torchft integration supports torchft 0.2.0")
+    assert "pip install 'torchft==0.2.0'" in message and "\n" not in message
+
+
+def test_a_private_torchft_name_that_moved_is_named_in_one_line():
+    from isoloco.torchft import internals
+
+    class Moved:  # a DiLoCo whose fragments live elsewhere
+        fragments = []
+
+    with pytest.raises(ConfigError) as error:
+        merge_in_quorum(Moved(), torch.nn.Linear(2, 2), MergeConfig(rule="ties"), seed=0, replica=0)
+    assert str(error.value).startswith(f"torchft {internals.installed_version()}'s Moved has no _fragments")
+    assert "\n" not in str(error.value)

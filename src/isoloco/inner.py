@@ -1,4 +1,5 @@
-"""Inner optimizers (what each worker runs every step) and their learning-rate schedule."""
+"""Inner steps: the forward and backward every worker runs each step, the inner optimizers
+and their learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -6,15 +7,55 @@ import functools
 import math
 import weakref
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from isoloco.checkpoint import saved_optimizer_state
 from isoloco.configbase import check_choices, check_positive, check_range, option
 
 INNER_OPTIMIZERS = ("adamw", "muon", "sgd")
+
+
+def mixed_precision(device: torch.device) -> AbstractContextManager:
+    """Where a step's forward runs in bfloat16: autocast on CUDA (fp32 weights); the CPU
+    computes in float32."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+def attention_kernels(deterministic: bool) -> AbstractContextManager:
+    """The math attention kernel when deterministic: the fused ones' backward passes
+    accumulate in a nondeterministic order on CUDA."""
+    if not deterministic:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+def next_token_loss(model: torch.nn.Module, rows: torch.Tensor, autocast: AbstractContextManager,
+                    deterministic: bool) -> torch.Tensor:
+    """Mean next-token cross-entropy of `rows` ([n, seq_len + 1]), the logits in float32."""
+    with autocast, attention_kernels(deterministic):
+        logits = model(input_ids=rows[:, :-1], use_cache=False).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1))
+
+
+def forward_backward(model: torch.nn.Module, rows: torch.Tensor, micro_batch: int, autocast: AbstractContextManager,
+                     deterministic: bool) -> torch.Tensor:
+    """One inner step's forward and backward: the mean next-token loss over `rows`, accumulated
+    over micro-batches of `micro_batch` rows into ``.grad``. The loss stays a device tensor (no
+    host sync per micro-batch); the trainer and torchft's replica groups both step with this."""
+    chunks = rows.split(micro_batch)
+    total = torch.zeros((), device=rows.device)
+    for chunk in chunks:
+        loss = next_token_loss(model, chunk, autocast, deterministic)
+        (loss / len(chunks)).backward()
+        total += loss.detach()
+    return total / len(chunks)
 
 
 @dataclass

@@ -23,12 +23,11 @@ import logging
 import math
 import os
 import time
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from isoloco import checkpoint as ckpt
@@ -38,6 +37,7 @@ from isoloco.config import TrainConfig, to_dict
 from isoloco.data import Batches, TokenData, check_run_data, load_token_data, validation_batches
 from isoloco.distributed import Distributed, ProcessLayout
 from isoloco.errors import CheckpointError, ConfigError
+from isoloco.inner import forward_backward, mixed_precision, next_token_loss
 from isoloco.metrics import MetricsLog, NullMetricsLog
 from isoloco.model import build_model, count_parameters
 from isoloco.rundir import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR
@@ -115,8 +115,7 @@ class Trainer:
         self.num_params = count_parameters(self.model)
         self.named_params = list(self.model.named_parameters())
         self.params = [p for _, p in self.named_params]
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
-                         else nullcontext())
+        self.autocast = mixed_precision(self.device)
         self.storage = torch.device("cpu") if cfg.offload_workers else self.device
         self.algorithm = build_algorithm(cfg, self.named_params, self.dist, self.batches, self.device, self.storage)
         self.workers = self.algorithm.workers
@@ -139,28 +138,11 @@ class Trainer:
 
     def _forward_backward(self, rows: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss over `rows` ([n, seq_len+1]); gradients accumulate in .grad."""
-        rows = rows.to(self.device, non_blocking=True)
-        chunks = rows.split(self.cfg.micro_batch_size)
-        total = torch.zeros((), device=self.device)
-        for chunk in chunks:
-            loss = self._loss(chunk)
-            (loss / len(chunks)).backward()
-            total += loss.detach()
-        return total / len(chunks)
+        return forward_backward(self.model, rows.to(self.device, non_blocking=True), self.cfg.micro_batch_size,
+                                self.autocast, self.cfg.deterministic)
 
     def _loss(self, rows: torch.Tensor) -> torch.Tensor:
-        with self.autocast, self._attention_kernels():
-            logits = self.model(input_ids=rows[:, :-1], use_cache=False).logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1))
-
-    def _attention_kernels(self) -> AbstractContextManager:
-        """The math attention kernel when deterministic: the fused ones' backward passes
-        accumulate in a nondeterministic order on CUDA."""
-        if not self.cfg.deterministic:
-            return nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel([SDPBackend.MATH])
+        return next_token_loss(self.model, rows, self.autocast, self.cfg.deterministic)
 
     # -- one round ---------------------------------------------------------------------------
 

@@ -12,8 +12,7 @@ the quorum, `should_commit`, discarding a round whose collectives failed, and a 
 group's recovery from a live peer.
 
 No torchft import here: the Manager is used through its public calls, and `DiLoCo` through
-its fragments' `_average_grads` (replaced), `_grads` and `_allreduce_work`, which are torchft
-0.2.0's, the version the extra pins.
+private names that `isoloco.torchft.internals` gathers, with the version check.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from isoloco.comm import Communicator
 from isoloco.errors import ConfigError
 from isoloco.merge import MergeConfig, Merger
+from isoloco.torchft import internals
 from isoloco.torchft.optimizer import merges_in_quorum
 
 
@@ -111,7 +111,7 @@ class _FragmentMerge:
         self.fragments = fragments
 
     def __call__(self) -> None:
-        manager, grads = self.fragment._manager, self.fragment._grads
+        manager, grads = internals.fragment_manager(self.fragment), internals.pseudo_gradients(self.fragment)
         # torchft's step counts fragment synchronisations, so this is the fragment's round; a
         # round trained again keeps its number, and so its DARE masks.
         round = manager.current_step() // self.fragments
@@ -124,7 +124,7 @@ class _FragmentMerge:
         else:
             for name in grads:
                 grads[name] = merged[self.names[name]]
-        self.fragment._allreduce_work.append(_Merged())
+        internals.add_pending_work(self.fragment, _Merged())
 
 
 def merge_in_quorum(diloco: Any, model: torch.nn.Module, merge: MergeConfig, seed: int, replica: int) -> None:
@@ -143,7 +143,8 @@ def merge_in_quorum(diloco: Any, model: torch.nn.Module, merge: MergeConfig, see
     """
     if not merges_in_quorum(merge):
         return
-    fragments = diloco._fragments
+    internals.check_version()
+    fragments = internals.fragments(diloco)
     if any(fragment.should_quantize for fragment in fragments):
         raise ConfigError(f"should_quantize=True is not allowed with merge.rule={merge.rule}: its collectives are "
                           "isoloco's, in full precision; quantisation applies to torchft's all-reduce of the mean "
@@ -155,5 +156,6 @@ def merge_in_quorum(diloco: Any, model: torch.nn.Module, merge: MergeConfig, see
                           "within the replica group; keep the parameters whole in each group, or use "
                           "merge.rule=mean, whose all-reduce torchft makes shard by shard")
     for fragment in fragments:
-        fragment_names = {name: names[param] for name, param in fragment._model_fragment.named_parameters()}
-        fragment._average_grads = _FragmentMerge(fragment, fragment_names, merge, seed, replica, len(fragments))
+        fragment_names = {name: names[param] for name, param in internals.fragment_model(fragment).named_parameters()}
+        internals.replace_average(fragment, _FragmentMerge(fragment, fragment_names, merge, seed, replica,
+                                                           len(fragments)))

@@ -25,17 +25,17 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from isoloco.config import TrainConfig
 from isoloco.data import Batches, load_token_data
 from isoloco.errors import ConfigError, first_line
-from isoloco.inner import InnerOptimizer
+from isoloco.inner import InnerOptimizer, forward_backward, mixed_precision
 from isoloco.model import build_model
+from isoloco.torchft import internals
 from isoloco.torchft.optimizer import outer_optimizers
 from isoloco.torchft.quorum import merge_in_quorum
-from isoloco.trainer import resolve_device
+from isoloco.trainer import resolve_device, use_deterministic_kernels
 
 try:
     from torch.distributed import TCPStore
@@ -172,18 +172,6 @@ class GroupRun:
         return cls(**json.loads(path.with_suffix(".json").read_text()), params=load_file(path.with_suffix(".safetensors")))
 
 
-def _loss(model: torch.nn.Module, rows: torch.Tensor, micro_batch: int) -> float:
-    """Mean next-token loss of `rows`, accumulated over micro-batches as isoloco's trainer does."""
-    chunks = rows.split(micro_batch)
-    total = 0.0
-    for chunk in chunks:
-        logits = model(input_ids=chunk[:, :-1], use_cache=False).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), chunk[:, 1:].reshape(-1))
-        (loss / len(chunks)).backward()
-        total += loss.item()
-    return total / len(chunks)
-
-
 def run_replica_group(
     cfg: TrainConfig,
     replica: int,
@@ -214,7 +202,11 @@ def run_replica_group(
     that step triggered). Returns when torchft has committed every round.
     """
     check_group_config(cfg, replica, fragments, sync_delay)
+    internals.check_version()
     device = group_device(cfg, replica)
+    if cfg.deterministic:
+        use_deterministic_kernels()
+    autocast = mixed_precision(device)  # the trainer's step: bf16 autocast on CUDA
     data = load_token_data(cfg.data, progress=False)
     batches = Batches(data.train, cfg.seq_len, cfg.global_batch, cfg.seed)
     model = build_model(cfg.model, data.vocab_size, cfg.seq_len, cfg.seed).to(device)
@@ -244,6 +236,7 @@ def run_replica_group(
     period = cfg.inner_steps // fragments  # inner steps between two fragment synchronisations
     rounds = cfg.train_steps // period
     run = GroupRun(replica, [], [], 0, {})
+    losses: list[torch.Tensor] = []
     try:
         diloco = DiLoCo(manager, list(parts), joint, outer, sync_every=cfg.inner_steps,
                         fragment_sync_delay=sync_delay, backup_device=torch.device("cpu"),
@@ -256,14 +249,15 @@ def run_replica_group(
                 # a recovered group continues at its peers' step.
                 step = manager.current_step() * period + local
                 rows = batches.worker_batch(step, replica, cfg.workers).to(device)
-                loss = _loss(model, rows, cfg.micro_batch_size)
+                loss = forward_backward(model, rows, cfg.micro_batch_size, autocast, cfg.deterministic)
                 joint.step(step)
                 local = (local + 1) % period
                 run.steps.append(step)
-                run.losses.append(loss)
+                losses.append(loss)  # a device tensor: read back once, at the end
                 if on_step is not None:
-                    on_step(step, loss, model)
+                    on_step(step, float(loss), model)
         run.outer_steps = manager.current_step()
+        run.losses = torch.stack(losses).tolist() if losses else []
         run.params = {name: param.detach().clone() for name, param in model.named_parameters()}
     finally:
         manager.shutdown(wait=False)
