@@ -1,6 +1,8 @@
 """`isoloco export`: a Hugging Face directory whose special ids are the tokenizer's."""
 
 import json
+import os
+import stat
 
 import torch
 
@@ -32,3 +34,16 @@ def test_exported_model_stops_generating_at_end_of_text(tmp_path):
     prompt = tokenizer("In the beginning", return_tensors="pt")
     out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
     assert out[0, prompt.input_ids.shape[1]:].tolist() == [end_of_text]
+
+
+def test_every_exported_file_gets_the_mode_the_umask_gives(tmp_path):
+    run, exported = tmp_path / "run", tmp_path / "hf"
+    assert main(["train", *RUN, "--out", str(run), "--quiet"]) == 0
+    previous = os.umask(0o027)
+    try:
+        assert main(["export", str(run), str(exported)]) == 0
+    finally:
+        os.umask(previous)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in exported.iterdir()}
+    assert "model.safetensors" in modes and "config.json" in modes
+    assert modes == dict.fromkeys(modes, 0o640)

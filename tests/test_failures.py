@@ -89,6 +89,29 @@ def test_partial_and_damaged_checkpoints_are_skipped(tmp_path, reference):
     assert_same_result(out, reference)
 
 
+def test_a_resume_whose_every_checkpoint_is_damaged_stops_and_writes_nothing(tmp_path, capsys):
+    from isoloco.cli import main
+
+    out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    assert main(["train", *SMALL_ARGS, "steps=4", "inner_steps=2", "workers=2", "eval_every=4", "checkpoint_every=2",
+                 "--out", str(out), "--quiet"]) == 0
+    older, newest = ckpt.list_checkpoints(root)
+    theta = bytearray((newest / "global.safetensors").read_bytes())
+    theta[-1] ^= 0xFF
+    (newest / "global.safetensors").write_bytes(bytes(theta))
+    (older / "state.json").write_text("{")
+    before = {path: path.read_bytes() if path.is_file() else None for path in out.rglob("*")}
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: every checkpoint in {root} is damaged ("), err
+    assert f"{newest}: global.safetensors is missing or its checksum does not match" in err[0]
+    assert f"{older}: state.json is damaged" in err[0]
+    assert err[0].endswith(f"nothing was resumed; to start over from step 0, delete {root} or train into a new --out")
+    # No checkpoint, metrics line or summary was written or changed.
+    assert {path: path.read_bytes() if path.is_file() else None for path in out.rglob("*")} == before
+
+
 def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     cfg = resolve(None, parse_overrides(RUN))
     out = tmp_path / "run"

@@ -173,20 +173,32 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is damaged ({err})") from None
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {state.get('format_version')}, expected {FORMAT_VERSION}")
-    for name, expected in state["checksums"].items():
-        file = path / name
-        if not file.is_file() or file_sha256(file) != expected:
-            raise CheckpointError(f"checkpoint {path}: {name} is missing or its checksum does not match")
+    # Every bad file is named, so a message about a damaged checkpoint lists all it lost.
+    bad = [name for name, expected in state["checksums"].items()
+           if not (path / name).is_file() or file_sha256(path / name) != expected]
+    if len(bad) == 1:
+        raise CheckpointError(f"checkpoint {path}: {bad[0]} is missing or its checksum does not match")
+    if bad:
+        raise CheckpointError(f"checkpoint {path}: {', '.join(bad)} are missing or their checksums do not match")
     return state
 
 
 def load_latest(root: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that verifies, falling back to older ones with a warning."""
+    """The newest checkpoint that verifies, with a warning for each newer one that does not;
+    None when `root` holds no checkpoint. When every checkpoint is damaged, a CheckpointError
+    names them all: a caller must not mistake that for a run with nothing saved yet."""
+    damaged = []
     for path in reversed(list_checkpoints(root)):
         try:
-            return path, verify(path)
+            state = verify(path)
         except CheckpointError as err:
-            logger.warning("%s; trying an earlier checkpoint", err)
+            damaged.append(str(err))
+            continue
+        for problem in damaged:
+            logger.warning("%s; using the earlier %s", problem, path)
+        return path, state
+    if damaged:
+        raise CheckpointError(f"every checkpoint in {root} is damaged ({'; '.join(damaged)})")
     return None
 
 

@@ -21,7 +21,7 @@ from isoloco import __version__, logs
 from isoloco.checkpoint import latest_checkpoint, write_json_atomic, write_text_atomic
 from isoloco.cliargs import add_items, parse_late
 from isoloco.config import (DEFAULT_PRESET, TrainConfig, describe_keys, from_dict, parse_overrides, preset_names,
-                            resolve, split_items, to_dict)
+                            resolve, run_warnings, split_items, to_dict)
 from isoloco.data.cli import add_data_commands
 from isoloco.distributed import Distributed, ProcessLayout, process_group
 from isoloco.errors import EXIT_INTERRUPTED, REPORTED, UsageError, describe
@@ -176,6 +176,9 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> int:
 
     dist = Distributed(cfg)
     out = dist.broadcast_object(out)  # a default name holds a timestamp: take rank 0's
+    if dist.is_main:
+        for line in run_warnings(cfg, dist.layout.islands):
+            logger.warning(line)
     # Building the trainer loads and checks the data and the device: fail before touching `out`.
     trainer = Trainer(cfg, out, dist=dist, progress=not args.quiet and dist.is_main)
     dist.barrier()  # every process checked `out` before rank 0 changes it
@@ -201,7 +204,9 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> int:
         write_json_atomic(out / SUMMARY_FILE, summary)
         print(f"results in {out}")
         print(f"final validation loss {summary['final_val_loss']:.4f} "
-              f"(unigram baseline {summary['unigram_baseline']:.4f})")
+              f"(unigram baseline {summary['unigram_baseline']:.4f}); "
+              f"{summary['cross_island_wire_bytes']:,} bytes across islands, "
+              f"{summary['exposed_sync_seconds']:.2f} s of synchronisation exposed")
     return 0
 
 
@@ -217,11 +222,18 @@ def _resume_command(out: Path, world_size: int) -> str:
 
 
 def _recipe(cfg: TrainConfig) -> str:
-    """What a method does, in the banner: the merge, the optimizers and their learning rates."""
+    """What a method does, in the banner: the merge, the optimizers and their learning rates,
+    and what changes the synchronisation (compression, overlap) when set."""
     inner = f"inner {cfg.inner.optimizer} lr {cfg.inner.lr:g}"
     if cfg.algorithm == "dp":
         return f"data-parallel baseline, {inner}"
-    return f"merge {cfg.merge.rule}, outer {cfg.outer.optimizer} lr {cfg.outer.lr:g}, {inner}"
+    link = []
+    if cfg.merge.quantize != "none":
+        link.append(f"merge.quantize={cfg.merge.quantize}" + (" with error feedback" if cfg.merge.error_feedback
+                                                               else ""))
+    if cfg.outer.overlap_steps:
+        link.append(f"outer.overlap_steps={cfg.outer.overlap_steps} (α {cfg.outer.overlap_alpha:g})")
+    return ", ".join([f"merge {cfg.merge.rule}", f"outer {cfg.outer.optimizer} lr {cfg.outer.lr:g}", inner, *link])
 
 
 def cmd_export(args: argparse.Namespace) -> int:

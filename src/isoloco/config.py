@@ -13,6 +13,7 @@ import importlib.util
 import math
 import typing
 from dataclasses import dataclass
+from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,30 @@ class TrainConfig:
             # A synchronisation in flight ends during a later round: its line would be ambiguous.
             raise ConfigError(f"log.spectra=true is not allowed with outer.overlap_steps={overlap}: set "
                               "outer.overlap_steps=0 to measure the spectra, or log.spectra=false")
+
+
+#: The largest share of a round τ/H (outer.overlap_steps/inner_steps) the docs measured as
+#: harmless: τ = 5 of H = 30 left IsoLoCo's final loss equivalent within ±1% to τ = 0 at R = 8
+#: and DiLoCo's not distinguishable from it (docs/claims.md, "The slow link"), while τ = 5 of
+#: H = 10 ended above the unigram baseline and the loss worsened steadily with τ/H (issue 34).
+SAFE_OVERLAP = Fraction(1, 6)
+
+
+def run_warnings(cfg: TrainConfig, islands: int) -> list[str]:
+    """One line for each setting a run on `islands` islands allows but that probably wastes it
+    or does nothing, said before it starts."""
+    lines = []
+    overlap = Fraction(cfg.outer.overlap_steps, cfg.inner_steps)
+    if overlap > SAFE_OVERLAP:
+        lines.append(f"outer.overlap_steps={cfg.outer.overlap_steps} with inner_steps={cfg.inner_steps} overlaps "
+                     f"{float(overlap):.2f} of each round, more than the {SAFE_OVERLAP} measured as harmless "
+                     f"(τ = 5 of H = 30); the loss worsens with τ/H and τ = 5 of H = 10 ended above the unigram "
+                     f"baseline: use outer.overlap_steps <= {math.floor(cfg.inner_steps * SAFE_OVERLAP)}")
+    if cfg.dist.emulate_link and islands == 1:
+        lines.append(f"dist.emulate_link={cfg.dist.emulate_link} does nothing in this run: it delays the collectives "
+                     "between islands, and this run is one island; launch several (e.g. isoloco launch --nproc 2 "
+                     "-- train ...) or drop it")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -9,6 +10,7 @@ import yaml
 
 from isoloco import checkpoint as ckpt
 from isoloco.config import from_dict
+from isoloco.data.config import umask_mode
 from isoloco.data.tokenizer import pretrained_tokenizer
 from isoloco.errors import CheckpointError
 from isoloco.model import build_model
@@ -48,6 +50,10 @@ def export(path: Path, out_dir: Path) -> None:
         setattr(model.generation_config, f"{role}_token_id", token_id)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
+    # safetensors writes the weights through a temporary file of mode 0600: give them the mode
+    # their siblings got from a plain open.
+    for weights in out_dir.glob("model*.safetensors"):
+        os.chmod(weights, umask_mode(0o666))
     tokenizer.save_pretrained(out_dir)
     (out_dir / "isoloco.yaml").write_text(yaml.safe_dump({"step": state["step"], "config": state["config"]},
                                                          sort_keys=False))

@@ -76,9 +76,18 @@ def _publish(root: Path, staging: Path, step: int, reports: list[tuple], state: 
 
 def find_latest(group: Distributed, root: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that verifies, as rank 0 finds it, with its state, on every
-    process (so all resume from the same one). Rank 0 first removes partial checkpoints."""
-    found = None
+    process (so all resume from the same one); None when none was written yet. Rank 0 first
+    removes partial checkpoints. When every checkpoint is damaged, every process raises: a
+    resume must not quietly become a new run."""
+    found, error = None, None
     if group.is_main:
         ckpt.remove_partial(root)
-        found = ckpt.load_latest(root)
-    return group.broadcast_object(found)
+        try:
+            found = ckpt.load_latest(root)
+        except ckpt.CheckpointError as err:
+            error = (f"{err}: nothing was resumed; to start over from step 0, delete {root} or train into a new "
+                     "--out")
+    found, error = group.broadcast_object((found, error))
+    if error:
+        raise ckpt.CheckpointError(error)
+    return found

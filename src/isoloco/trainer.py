@@ -129,6 +129,9 @@ class Trainer:
         self.step = 0
         self.elapsed = 0.0
         self.cpu_seconds = 0.0  # this process's CPU time in rounds, summed over resumes
+        # The run's slow link, summed over rounds and resumes for summary.json (`_count_sync`).
+        self.cross_island_wire_bytes = 0.0
+        self.exposed_sync_s = 0.0
         self.last_val_loss: float | None = None
         # Counts worker steps; `run` replaces it with a visible bar (rounds driven by the
         # benchmarks and the GPU check outside `run` update this silent one).
@@ -209,6 +212,8 @@ class Trainer:
         state = {
             "elapsed_s": self.elapsed,
             "cpu_s": self.cpu_seconds,
+            "cross_island_wire_bytes": self.cross_island_wire_bytes,
+            "exposed_sync_s": self.exposed_sync_s,
             "metrics_offset": metrics_offset,
             "last_val_loss": self.last_val_loss,
             "layout": self.dist.layout.describe(),
@@ -255,7 +260,10 @@ class Trainer:
                 lambda file: files.enter_context(ckpt.open_tensors(path, file)))
         self.step = state["step"]
         self.elapsed = state["elapsed_s"]
-        self.cpu_seconds = state.get("cpu_s", 0.0)  # absent from checkpoints of older versions
+        # Absent from checkpoints of older versions: their totals then start at the resume.
+        self.cpu_seconds = state.get("cpu_s", 0.0)
+        self.cross_island_wire_bytes = state.get("cross_island_wire_bytes", 0.0)
+        self.exposed_sync_s = state.get("exposed_sync_s", 0.0)
         self.last_val_loss = state["last_val_loss"]
         earlier = state.get(FINDER_DTYPE_KEY)
         if earlier and self.finder_dtype and earlier != self.finder_dtype and self.dist.is_main:
@@ -301,6 +309,7 @@ class Trainer:
                 losses, seconds = self._timed_round(start, end)
                 self.step = end
                 extra = self.algorithm.round_metrics()
+                self._count_sync(extra)
                 if self.finder_dtype:
                     extra[FINDER_DTYPE_KEY] = self.finder_dtype
                 if self._due(cfg.eval_every, start, end) or end == cfg.train_steps:
@@ -329,6 +338,13 @@ class Trainer:
         self.elapsed += seconds
         self.cpu_seconds += time.process_time() - began_cpu
         return losses, seconds
+
+    def _count_sync(self, extra: dict[str, Any]) -> None:
+        """Add a round's slow link to the run's totals: the cross-island wire bytes of every
+        process (a metrics line holds their mean over processes, so times the processes) and
+        the seconds training waited for the synchronisation (rank 0's, as its lines)."""
+        self.cross_island_wire_bytes += extra.get("wire_bytes_cross_island", 0.0) * self.dist.world_size
+        self.exposed_sync_s += extra.get("sync_exposed_s", 0.0)
 
     def _log_round(self, log: MetricsLog | NullMetricsLog, start: int, end: int, losses: list[float],
                    seconds: float, extra: dict[str, Any]) -> None:
@@ -368,6 +384,8 @@ class Trainer:
             "processes": self.dist.world_size,
             "wall_time_s": self.elapsed,
             "cpu_time_s": self.cpu_seconds,
+            "cross_island_wire_bytes": round(self.cross_island_wire_bytes),
+            "exposed_sync_seconds": self.exposed_sync_s,
             **({SECONDS_KEY: self.spectra.seconds} if self.spectra is not None else {}),
             **({FINDER_DTYPE_KEY: self.finder_dtype} if self.finder_dtype else {}),
         }
