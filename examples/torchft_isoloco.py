@@ -6,6 +6,7 @@
     python examples/torchft_isoloco.py outer.iso_placement=update     # Iso-C after the momentum
     python examples/torchft_isoloco.py method=diloco --fragments 2    # Streaming DiLoCo, 2 fragments
     python examples/torchft_isoloco.py --fragments 2 --sync-delay 5   # each all-reduce overlaps 5 steps
+    python examples/torchft_isoloco.py --torchft-logs                 # with torchft's own [INFO] lines
 
     # two machines: A (10.0.0.1) runs the lighthouse and group 0, B (10.0.0.2) group 1
     python examples/torchft_isoloco.py --groups 0 --host 10.0.0.1 --lighthouse-bind 10.0.0.1:29510   # on A
@@ -15,36 +16,79 @@ Items are isoloco's `key=value` overrides on top of the quick preset (and of thi
 defaults: 2 workers, 60 steps, H = 20). The script starts the lighthouse (unless given one),
 then one process per replica group it runs; each trains isoloco's worker r under torchft's
 DiLoCo with isoloco's outer optimizer (and, for DARE, TIES, TSV and Iso-CTS, isoloco's merge
-over torchft's quorum), and the script prints every round's training loss of its groups and
-where they ended. A bad option is refused in one line, exit status 2, before anything starts.
+over torchft's quorum), and the script prints every round's training loss of its groups,
+where they ended and each one's validation loss (isoloco's evaluation, as `isoloco train`
+reports it). A bad option is refused in one line, exit status 2, before anything starts,
+and so is a key this example does not carry through torchft (`UNSUPPORTED`).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import multiprocessing
 import os
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from isoloco.config import TrainConfig, parse_overrides, resolve
 from isoloco.errors import ConfigError
 from isoloco.data import load_token_data
-from isoloco.torchft.replica import (LOCALHOST, GroupRun, check_group_config, check_machine_groups,
-                                     run_replica_group, start_lighthouse)
+from isoloco.model import MODEL_PRESETS
+from isoloco.trainer import Trainer
+
+if TYPE_CHECKING:
+    from isoloco.torchft.replica import GroupRun
 
 DEFAULTS = {"workers": 2, "steps": 60, "inner_steps": 20, "checkpoint_every": 0}
+
+#: isoloco keys that torchft's DiLoCo here does not carry, with the value that means "off" and
+#: what to do instead: refused, since a run would otherwise ignore them and end as without.
+UNSUPPORTED = {
+    "merge.quantize": ("none", "this example all-reduces float32 pseudo-gradients; drop it, or compress with "
+                               "isoloco train / isoloco launch"),
+    "outer.overlap_steps": (0, "torchft overlaps a synchronisation its own way: drop it and use --fragments N "
+                               "--sync-delay STEPS"),
+}
+
+
+def check_example_config(cfg: TrainConfig, fragments: int) -> None:
+    """Refuse, in one line, what this example would silently not do."""
+    for key, (off, instead) in UNSUPPORTED.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value != off:
+            raise ConfigError(f"{key}={value} is not supported by the torchft example: {instead}")
+    layers = MODEL_PRESETS[cfg.model].layers
+    if not 1 <= fragments <= layers:
+        raise ConfigError(f"--fragments {fragments} is not allowed: choose 1 to {layers} (a fragment is a block of "
+                          f"model={cfg.model}'s {layers} layers)")
+
+
+def torchft_replica(show_logs: bool) -> ModuleType:
+    """`isoloco.torchft.replica`, imported only now: torchft's Rust side reads RUST_LOG once, when
+    torchft is imported, so without `show_logs` its [INFO] lines are quieted first (the groups'
+    processes inherit the setting), and so are its Python warnings."""
+    if not show_logs:
+        os.environ["RUST_LOG"] = "error"
+        logging.getLogger("torchft").setLevel(logging.ERROR)
+    from isoloco.torchft import replica
+
+    return replica
 
 
 def group_main(cfg: TrainConfig, replica: int, lighthouse: str, args: argparse.Namespace, out: Path) -> None:
     """One replica group's process: train, then leave the result in `out` for the parent."""
     torch.set_num_threads(1)  # the groups share the machine's cores
-    run_replica_group(cfg, replica, lighthouse, fragments=args.fragments, sync_delay=args.sync_delay,
-                      host=args.host).save(out / f"group-{replica}")
+    run = torchft_replica(args.torchft_logs).run_replica_group(cfg, replica, lighthouse, fragments=args.fragments,
+                                                               sync_delay=args.sync_delay, host=args.host)
+    run.save(out / f"group-{replica}")
 
 
 def local_groups(text: str | None, workers: int) -> list[int]:
@@ -76,22 +120,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="inner steps each fragment's all-reduce overlaps (torchft's fragment_sync_delay; "
                              "default 0)")
     parser.add_argument("--groups", help="the replica groups this machine runs, e.g. 0 or 0,1 (default: all)")
-    parser.add_argument("--host", default=LOCALHOST,
-                        help="this machine's address, reachable from the other machines (default 127.0.0.1)")
+    parser.add_argument("--host", help="this machine's address, reachable from the other machines (default 127.0.0.1)")
     lighthouse = parser.add_mutually_exclusive_group()
     lighthouse.add_argument("--lighthouse", metavar="URL",
                             help="join this running lighthouse, e.g. http://10.0.0.1:29510 (default: start one)")
-    lighthouse.add_argument("--lighthouse-bind", metavar="HOST:PORT", default=f"{LOCALHOST}:0",
+    lighthouse.add_argument("--lighthouse-bind", metavar="HOST:PORT",
                             help="where the lighthouse started here listens (default 127.0.0.1, a free port)")
+    parser.add_argument("--torchft-logs", action="store_true",
+                        help="show torchft's own log lines (its lighthouse's and managers' [INFO] lines, its "
+                             "warnings); by default only its errors")
     args = parser.parse_args(argv)
     try:
         cfg = resolve("quick", {**DEFAULTS, **parse_overrides(args.items)})
+        check_example_config(cfg, args.fragments)
         groups = local_groups(args.groups, cfg.workers)
+        replica_module = torchft_replica(args.torchft_logs)
+        args.host = args.host or replica_module.LOCALHOST
         for replica in groups:
-            check_group_config(cfg, replica, args.fragments, args.sync_delay)
-        check_machine_groups(cfg, groups)
-        server, address = (None, args.lighthouse) if args.lighthouse else \
-            start_lighthouse(min_replicas=cfg.workers, bind=args.lighthouse_bind)
+            replica_module.check_group_config(cfg, replica, args.fragments, args.sync_delay)
+        replica_module.check_machine_groups(cfg, groups)
+        server, address = (None, args.lighthouse) if args.lighthouse else replica_module.start_lighthouse(
+            min_replicas=cfg.workers, bind=args.lighthouse_bind or f"{replica_module.LOCALHOST}:0")
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -126,8 +175,24 @@ def main(argv: list[str] | None = None) -> int:
         # have trained locally since their own last synchronisation.
         which = "final parameters" if args.fragments == 1 else "final parameters (only the last fragment just synced)"
         print(f"largest difference between the groups' {which}: {gap:.3g}")
-    print(f"unigram baseline of the corpus: {data.unigram_loss:.3f}")
+    scored = validation_losses(cfg, runs)
+    print("validation loss: " + ", ".join(f"group {r}: {loss:.4f}" for r, loss in scored.items())
+          + f" (unigram baseline of the corpus: {data.unigram_loss:.4f})")
     return 0
+
+
+def validation_losses(cfg: TrainConfig, runs: dict[int, GroupRun]) -> dict[int, float]:
+    """Each group's final parameters scored by isoloco's own evaluation (`Trainer.evaluate`:
+    the run's held-out windows, token-weighted), so it reads as `isoloco train`'s."""
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(cfg, Path(out), progress=False)
+        losses = {}
+        for replica, run in runs.items():
+            with torch.no_grad():
+                for (name, _), param in zip(trainer.named_params, trainer.global_params, strict=True):
+                    param.copy_(run.params[name])
+            losses[replica] = trainer.evaluate()
+        return losses
 
 
 def run_groups(cfg: TrainConfig, groups: list[int], lighthouse: str,
@@ -146,7 +211,7 @@ def run_groups(cfg: TrainConfig, groups: list[int], lighthouse: str,
             print(f"error: replica group(s) {sorted(failed)} failed (exit codes {list(failed.values())}); their "
                   "output is above", file=sys.stderr)
             return None
-        return {r: GroupRun.load(Path(out) / f"group-{r}") for r in groups}
+        return {r: torchft_replica(args.torchft_logs).GroupRun.load(Path(out) / f"group-{r}") for r in groups}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""examples/torchft_isoloco.py as a user runs it: what it cannot carry through torchft and a bad
+--fragments are refused in one line before any work; torchft's own log lines only on request;
+the validation loss it prints is isoloco's evaluation of what the groups trained."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from isoloco.config import parse_overrides, resolve
+from isoloco.trainer import Trainer
+
+import helpers
+
+pytest.importorskip("torchft", reason="the torchft extra is not installed: pip install -e '.[torchft]'")
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "torchft_isoloco.py"
+TINY = [*helpers.SMALL_ARGS, "steps=6", "inner_steps=2"]
+FRAGMENTS = "is not allowed: choose 1 to 4 (a fragment is a block of model=tiny's 4 layers)"
+
+
+def load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("torchft_isoloco", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def example_env() -> dict[str, str]:
+    """A user's environment: one thread, and no RUST_LOG of a test's choosing."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RUST_LOG", None)
+    return env
+
+
+@pytest.mark.parametrize("args, message", [
+    (["merge.quantize=int8"], "merge.quantize=int8 is not supported by the torchft example: this example all-reduces "
+                              "float32 pseudo-gradients; drop it, or compress with isoloco train / isoloco launch"),
+    (["outer.overlap_steps=1"], "outer.overlap_steps=1 is not supported by the torchft example: torchft overlaps a "
+                                "synchronisation its own way: drop it and use --fragments N --sync-delay STEPS"),
+    (["--fragments", "0"], f"--fragments 0 {FRAGMENTS}"),
+    (["--fragments", "-1"], f"--fragments -1 {FRAGMENTS}"),
+    (["--fragments", "5"], f"--fragments 5 {FRAGMENTS}"),
+])
+def test_what_the_example_cannot_do_is_refused_in_one_line_before_any_work(capsys, monkeypatch, args, message):
+    example = load_example()
+    monkeypatch.setattr(example, "torchft_replica", lambda show_logs: pytest.fail("torchft was started"))
+    assert example.main([*TINY, *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"error: {message}\n"
+
+
+def test_fragments_0_exits_2_with_one_line_and_no_traceback():
+    result = subprocess.run([sys.executable, str(EXAMPLE), "--fragments", "0"], env=example_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"error: --fragments 0 {FRAGMENTS}\n")
+
+
+@pytest.mark.torchft
+@pytest.mark.multiprocess
+def test_the_example_is_quiet_and_scores_the_groups_as_isoloco_train_does(tmp_path):
+    result = subprocess.run([sys.executable, str(EXAMPLE), *TINY], env=example_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "[INFO]" not in result.stderr and "torchft" not in result.stderr, result.stderr
+    last = result.stdout.splitlines()[-1]
+    assert last.startswith("validation loss: group 0: ") and "(unigram baseline of the corpus: " in last, last
+    printed = [float(part.split(": ")[1]) for part in last.split(" (")[0].removeprefix("validation loss: ").split(", ")]
+    # The simulator trains the same workers to the same θ (to 1e-5, tests/test_torchft.py);
+    # `isoloco train`'s final validation loss of it is the reference.
+    cfg = resolve("quick", {**load_example().DEFAULTS, **parse_overrides(TINY)})
+    (tmp_path / "simulator").mkdir()
+    reference = Trainer(cfg, tmp_path / "simulator", progress=False).run()["final_val_loss"]
+    assert len(printed) == 2 and all(abs(loss - reference) <= 2e-4 for loss in printed), (printed, reference)
+
+
+@pytest.mark.torchft
+@pytest.mark.multiprocess
+def test_torchft_logs_shows_torchfts_own_lines():
+    result = subprocess.run([sys.executable, str(EXAMPLE), *helpers.SMALL_ARGS, "steps=2", "inner_steps=2",
+                             "--torchft-logs"], env=example_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "[INFO] [torchft::lighthouse]" in result.stderr and "[INFO] [torchft::manager]" in result.stderr
