@@ -10,6 +10,7 @@ again after the sweeps add runs: it replaces the views' links and rewrites the r
     python scripts/claim_reports.py main     # one folder's report (and its view, if it is one)
     python scripts/claim_reports.py --doc docs/claims.md     # then copy the tables into the page
     python scripts/claim_reports.py --check docs/claims.md   # exit 1 if a table differs from its report
+    python scripts/claim_reports.py --tests docs/claims.md   # every test the page quotes, adjusted together
 
 A table of the page is copied from a report when the line two above it is a marker naming
 the file and the section (the `## ` heading the table follows), and optionally a regular
@@ -249,6 +250,64 @@ def sync_tables(doc: Path, write: bool) -> list[tuple[str, str]]:
     return stale
 
 
+#: Where --tests writes its table of the page's tests (under --root).
+PAGE_TESTS = "page-tests.md"
+#: The false discovery rate of the page-wide Benjamini–Hochberg adjustment.
+FDR = 0.05
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def quoted_tests(doc: Path) -> list[dict[str, str]]:
+    """Every paired test in the compare tables `doc` quotes (the rows its markers keep), once: a row
+    two tables share (the same R, H, seeds, difference and interval) counts once. A row without a
+    p-value (one seed, an unstable run) is no test."""
+    tests: dict[tuple, dict[str, str]] = {}
+    for line in doc.read_text().splitlines():
+        marker = MARKER.match(line)
+        if not marker or not marker["file"].endswith("compare.md"):
+            continue
+        table = report_table(Path(marker["file"]), marker["section"], marker["rows"]) or []
+        header = _cells(table[0]) if table else []
+        for row in (line for line in table[2:] if line.startswith("|")):
+            cells = dict(zip(header, _cells(row)))
+            if cells.get("p (BH)", "—") == "—":
+                continue
+            # The difference and equivalence columns are named after the pair and the margin.
+            difference = next(value for name, value in cells.items() if name.endswith("(final loss)"))
+            equivalence = next(value for name, value in cells.items() if name.startswith("equivalence"))
+            key = (cells["R"], cells["H"], cells["seeds"], difference, equivalence)
+            tests.setdefault(key, {"report": marker["file"], "pair": cells.get("A − B", marker["section"]),
+                                   "R": cells["R"], "H": cells["H"], "seeds": cells["seeds"], "difference": difference,
+                                   "p": cells["p (BH)"].split()[0], "call": cells["call"]})
+    return list(tests.values())
+
+
+def page_tests_markdown(doc: Path) -> str:
+    """The page's tests adjusted together: how many are called before and after a Benjamini–Hochberg
+    adjustment over all of them, and the calls it drops."""
+    from isoloco.report import benjamini_hochberg
+
+    tests = quoted_tests(doc)
+    adjusted = benjamini_hochberg([float(test["p"]) for test in tests])
+    called = [(test, adj) for test, adj in zip(tests, adjusted) if test["call"].endswith(" lower")]
+    dropped = [(test, adj) for test, adj in called if adj >= FDR]
+    rows = [f"| {t['report']} | {t['pair']} | {t['R']} | {t['H']} | {t['seeds']} | {t['difference']} | {t['p']} | "
+            f"{adj:.3f} | {t['call']} |" for t, adj in dropped]
+    return "\n".join([
+        f"# The tests {doc} quotes", "",
+        f"{len(tests)} paired tests in the compare tables the page quotes (a row two tables share counted once), "
+        f"{len(called)} of them called. With the Benjamini–Hochberg adjustment over all {len(tests)} at a false "
+        f"discovery rate of {FDR:g}, {len(called) - len(dropped)} stay called. The p-values are the reports' (three "
+        "decimals, two significant digits below 0.001); `python scripts/claim_reports.py --tests "
+        f"{doc}` writes this file.", "",
+        "## Called, but not after the page-wide adjustment", "",
+        *(["| report | A − B | R | H | seeds | A − B (final loss) | p | p (BH over the page) | call |",
+           "|---|---|---|---|---|---|---|---|---|", *rows] if rows else ["None."]), ""])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="*", metavar="FOLDER",
@@ -256,7 +315,13 @@ def main() -> None:
     parser.add_argument("--root", default="results/claims", help="the folder holding the claims' sweeps")
     parser.add_argument("--doc", metavar="PAGE", help="copy every marked table of PAGE from its report (no reports run)")
     parser.add_argument("--check", metavar="PAGE", help="exit 1 when a marked table of PAGE differs from its report")
+    parser.add_argument("--tests", metavar="PAGE", help=f"write {PAGE_TESTS} under --root: every test of the compare "
+                                                        "tables PAGE quotes, adjusted together (Benjamini–Hochberg)")
     args = parser.parse_args()
+    if args.tests:
+        (Path(args.root) / PAGE_TESTS).write_text(page_tests_markdown(Path(args.tests)))
+        print(f"wrote {Path(args.root) / PAGE_TESTS}")
+        return
     if args.doc or args.check:
         stale = sync_tables(Path(args.doc or args.check), write=bool(args.doc))
         for marker, problem in stale:

@@ -119,6 +119,37 @@ def test_a_row_brings_the_footnotes_of_its_own_marks_only(doc):
     assert sync(doc, write=False) == []
 
 
+COMPARE = """## Every pair
+
+| A − B | R | H | seeds | A − B (final loss) | equivalence (±1%) | call | p (BH) | call after BH |
+|---|---|---|---|---|---|---|---|---|
+| a − b | 8 | 30 | 3 | -0.3000 ± 0.0497 | [-7.42%, -5.92%] fail | a lower | 0.010 (0.015) | a lower |
+| a − c | 8 | 30 | 3 | -0.1000 ± 0.0900 | [-3.00%, -1.00%] fail | a lower | 0.040 (0.040) | a lower |
+| c − b | 8 | 30 | 3 | +0.0100 ± 0.2000 | [-3.00%, +3.00%] fail | not distinguishable with 3 seeds | 0.300 (0.300) | x |
+| c − b | 1 | 30 | 1 | +0.0100 | one seed: no call | one seed: no call | — | one seed: no call |
+
+## a − b
+
+| R | H | seeds | a − b (final loss) | equivalence (±1%) | call | p (BH) | call after BH |
+|---|---|---|---|---|---|---|---|
+| 8 | 30 | 3 | -0.3000 ± 0.0497 | [-7.42%, -5.92%] fail | a lower | 0.010 (0.015) | a lower |
+"""
+
+
+def test_the_page_tests_are_adjusted_together_each_once(doc):
+    """Three tests (a − b quoted twice, a one-seed row is none): p 0.010, 0.040, 0.300 adjust to 0.030,
+    0.060, 0.300, so a − c loses its call."""
+    Path("compare.md").write_text(COMPARE)
+    doc.write_text('<!-- table: compare.md "Every pair" -->\n\n| x |\n\n<!-- table: compare.md "a − b" -->\n\n| x |\n')
+    script = _script()
+    assert [test["pair"] for test in script.quoted_tests(doc)] == ["a − b", "a − c", "c − b"]
+    text = script.page_tests_markdown(doc)
+    assert "3 paired tests in the compare tables the page quotes" in text and "2 of them called" in text
+    assert "at a false discovery rate of 0.05, 1 stay called" in text
+    assert "| compare.md | a − c | 8 | 30 | 3 | -0.1000 ± 0.0900 | 0.040 | 0.060 | a lower |" in text
+    assert "| a − b |" not in text.split("## Called")[1]
+
+
 @pytest.mark.parametrize("page", ["docs/claims.md", "docs/results.md"])
 def test_the_docs_tables_match_the_committed_reports(page):
     done = subprocess.run([sys.executable, str(SCRIPT), "--check", page], cwd=ROOT, capture_output=True, text=True)

@@ -229,7 +229,7 @@ def test_compare_pairs_seeds_and_calls_a_difference_only_outside_its_interval(tm
     assert "from R = 1 to R = 4 (3 seeds): -0.3000 ± 0.2766 (isoloco gains on diloco as R grows)" in text
     # Against dp: its run of the same seed, at every R.
     assert main(["report", str(tmp_path), "--compare", "diloco:dp"]) == 0
-    assert ("| 4 | 3 | 3 | +0.5000 ± 0.0000 | [+12.50%, +12.50%] fail | dp lower | <0.001 (<0.001) | dp lower | "
+    assert ("| 4 | 3 | 3 | +0.5000 ± 0.0000 | [+12.50%, +12.50%] fail | dp lower | 0 (0) | dp lower | "
             "+12.50 | +0.00 | — |" in (tmp_path / "compare.md").read_text())
     assert "## Every pair" not in text  # one pair: its own table is the whole story
     # Several pairs: one table of every pair's rows first, each row named by its pair.
@@ -239,7 +239,7 @@ def test_compare_pairs_seeds_and_calls_a_difference_only_outside_its_interval(tm
     # Four tests now (p 1.0, 0.0015, 0, 0): R = 4's isoloco − diloco is rank 3 of 4, 0.0015 · 4/3 = 0.002
     assert ("| isoloco − diloco | 4 | 3 | 3 | -0.3000 ± 0.0497 | [-7.42%, -5.92%] fail | isoloco lower | 0.001 (0.002) | "
             "isoloco lower | +5.00 | +12.50 | 0.40 |") in joined
-    assert ("| diloco − dp | 4 | 3 | 3 | +0.5000 ± 0.0000 | [+12.50%, +12.50%] fail | dp lower | <0.001 (<0.001) | "
+    assert ("| diloco − dp | 4 | 3 | 3 | +0.5000 ± 0.0000 | [+12.50%, +12.50%] fail | dp lower | 0 (0) | "
             "dp lower | +12.50 | +0.00 | — |") in joined
     assert len([line for line in joined.splitlines() if line.startswith(("| isoloco − ", "| diloco − "))]) == 4
     assert main(["report", str(tmp_path), "--compare", "isoloco"]) == 2
@@ -312,6 +312,7 @@ def test_unstable_runs_are_marked_and_support_no_call(tmp_path):
               global_batch=16)
     runs = load_runs(tmp_path)
     assert [r.name for r in runs if r.unstable] == ["diloco-R16-H3-s2"]
+    assert [r.name for r in runs if r.above_after_first] == ["diloco-R16-H3-s2"]  # its final evaluation
     md = results_markdown("x", runs, group_runs(runs), None, [])
     assert "| diloco | 16 | 3 | 3 | 5.5000 ± 1.7321 † |" in md
     assert "| diloco | 8 | 3 | 3 | 4.5000 ± 0.0000 | +12.50" in md
@@ -388,6 +389,9 @@ def test_benjamini_hochberg_adjusts_by_rank():
     assert benjamini_hochberg([0.01, 0.04, 0.03, 0.20]) == pytest.approx([0.04, 0.16 / 3, 0.16 / 3, 0.20])
     assert benjamini_hochberg([0.5, 0.9]) == pytest.approx([0.9, 0.9]) and benjamini_hochberg([]) == []
     assert benjamini_hochberg([0.6, 0.7, 0.8]) == pytest.approx([0.8, 0.8, 0.8])  # never above 1, never below p
+    from isoloco.report import _p
+
+    assert [_p(0.0312), _p(3.14e-5), _p(0.0)] == ["0.031", "3.1e-05", "0"]  # small ones kept for a page's own BH
 
 
 def test_compare_adds_the_benjamini_hochberg_call_beside_the_raw_one(tmp_path):
@@ -416,10 +420,14 @@ def test_a_run_above_the_unigram_baseline_mid_run_is_marked_with_its_peak(tmp_pa
     md = (tmp_path / "results.md").read_text()
     assert "| isoloco-s0 | isoloco | 2 | 3 | 0 | 6.8000 | +70.00 | 7.3000 (step 3) ‡ |" in md
     assert "| diloco-s0 | diloco | 2 | 3 | 0 | 4.5000 | +12.50 | 5.0000 (step 3) |" in md
-    assert "| isoloco | 2 | 3 | 1 | 6.8000 | +70.00 | 7.3000 ‡ |" in md and "†" not in md
+    assert "| isoloco | 2 | 3 | 1 | 6.8000 | +70.00 | 7.3000 ‡ |" in md and "† ended" not in md
     assert md.count("‡ validation loss above the unigram baseline at an evaluation") == 2
+    # Its first evaluation (step 3) was the one above: not one after it.
+    assert "1 of the 3 finished runs were above their unigram baseline at an evaluation (‡), 0 of them at an " \
+           "evaluation after their first; 0 ended above it (†)." in md
     rows = {r["run"]: r for r in csv.DictReader((tmp_path / "results.csv").open())}
     assert rows["isoloco-s0"]["above_unigram_at_an_evaluation"] == "true" and rows["isoloco-s0"]["peak_step"] == "3"
+    assert rows["isoloco-s0"]["above_unigram_after_first_evaluation"] == "false"
     assert rows["diloco-s0"]["above_unigram_at_an_evaluation"] == "false"
 
 

@@ -74,6 +74,9 @@ class RunResult:
     variant: str = ""  # the settings that set it apart from other runs of its method, `key=value ...`
     gap_pct: float | None = None
     peak: tuple[int, float] | None = None  # (step, validation loss) of its highest evaluation
+    # Above the unigram baseline at an evaluation after its first: not a model still learning the
+    # token frequencies, but one that lost them again (or never learnt them).
+    above_after_first: bool = False
     wire_bytes: int | None = None  # cross-island bytes over the run, all processes (newer runs only)
     exposed_sync_s: float | None = None  # synchronisation seconds training waited for (newer runs only)
     # The variant, plus its values of the settings other methods vary that apply to it: what the
@@ -146,15 +149,17 @@ def load_run(run_dir: Path) -> RunResult:
     settings["processes"] = summary.get("processes", 1)
     evaluations = _read_curve(run_dir / METRICS_FILE)
     peak = max(evaluations, key=lambda point: point[2], default=None)
+    unigram = summary.get("unigram_baseline")
     return RunResult(
         name=run_dir.name, method=cfg["method"], workers=None if dp else cfg["workers"],
         inner_steps=None if dp else cfg["inner_steps"], seed=cfg["seed"], model=cfg["model"],
         # A finished run says what it trained; an unfinished one is counted by its plan.
         tokens=summary.get("tokens") or from_dict(cfg).train_steps * cfg["global_batch"] * cfg["seq_len"],
-        final_val_loss=summary.get("final_val_loss"), unigram_baseline=summary.get("unigram_baseline"),
+        final_val_loss=summary.get("final_val_loss"), unigram_baseline=unigram,
         wall_time_s=summary.get("wall_time_s"), cpu_time_s=summary.get("cpu_time_s"),
         curve=tuple((tokens, loss) for _, tokens, loss in evaluations),
         peak=None if peak is None else (peak[0], peak[2]),
+        above_after_first=unigram is not None and any(loss > unigram for *_, loss in evaluations[1:]),
         wire_bytes=summary.get("cross_island_wire_bytes"), exposed_sync_s=summary.get("exposed_sync_seconds"),
         settings=tuple(sorted(settings.items())))
 
@@ -319,11 +324,13 @@ def results_csv(runs: list[RunResult]) -> str:
     link = _has_link(runs)
     return _csv(
         ["run", "method", "R", "H", "variant", "seed", "model", "tokens", "final_val_loss", "gap_to_dp_pct",
-         "peak_val_loss", "peak_step", "above_unigram_at_an_evaluation", "wall_time_s", "cpu_time_s",
+         "peak_val_loss", "peak_step", "above_unigram_at_an_evaluation", "above_unigram_after_first_evaluation",
+         "wall_time_s", "cpu_time_s",
          *(["cross_island_wire_bytes", "exposed_sync_seconds"] if link else []), "status"],
         ([r.name, r.method, _fmt(r.workers, "d"), _fmt(r.inner_steps, "d"), r.variant, str(r.seed), r.model,
           str(r.tokens), _fmt(r.final_val_loss, ".6f"), _fmt(r.gap_pct, ".4f"),
           _fmt(r.peak and r.peak[1], ".6f"), _fmt(r.peak and r.peak[0], "d"), str(r.rose_above_unigram).lower(),
+          str(r.above_after_first).lower(),
           _fmt(r.wall_time_s, ".1f"), _fmt(r.cpu_time_s, ".1f"),
           *([_fmt(r.wire_bytes, "d"), _fmt(r.exposed_sync_s, ".3f")] if link else []),
           "finished" if r.final_val_loss is not None else "incomplete"] for r in runs))
@@ -405,6 +412,12 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
         if len(variants) > 1:
             parts += ["", f"dp ran with several settings for model {model} at {tokens:,} tokens: the gaps are to "
                           f"`{variants[0]}`, the one with the lowest mean final loss."]
+    above = [r for r in finished if r.rose_above_unigram]
+    if above:
+        parts += ["", f"{len(above)} of the {len(finished)} finished runs were above their unigram baseline at an "
+                      f"evaluation ({ABOVE_UNIGRAM_MARK}), {sum(r.above_after_first for r in above)} of them at an "
+                      f"evaluation after their first; {sum(r.unstable for r in above)} ended above it "
+                      f"({UNSTABLE_MARK})."]
     if repeats:
         parts += ["", "Runs of one point with a seed already counted, left out of every table, mean and plot "
                       "(one seed is one sample): " + "; ".join(f"{left.name} (seed {left.seed}, as {kept.name})"
@@ -836,7 +849,8 @@ def _after_bh(judged: Judged, adjusted: float | None) -> tuple[str, str]:
 
 
 def _p(value: float) -> str:
-    return f"{value:.3f}" if value >= 0.001 else "<0.001"
+    """Three decimals, or two significant digits below 0.001, so that a page can adjust them again."""
+    return f"{value:.3f}" if value >= 0.001 else f"{value:.1e}" if value else "0"
 
 
 def _interval(mean: float, half: float | None) -> str:
