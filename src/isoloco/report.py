@@ -373,8 +373,8 @@ UNSTABLE_MARK = "†"
 ABOVE_UNIGRAM_MARK = "‡"
 
 
-def _marked(text: str, unstable: bool, mark: str = UNSTABLE_MARK) -> str:
-    return f"{text} {mark}" if unstable else text
+def _marked(text: str, marked: bool, mark: str = UNSTABLE_MARK) -> str:
+    return f"{text} {mark}" if marked else text
 
 
 def _footnotes(unstable: bool, above: bool, scope: str = "") -> list[str]:
