@@ -437,7 +437,7 @@ def test_link_bytes_and_exposed_seconds_are_shown_only_where_runs_record_them(tm
     write_report(tmp_path)
     assert "wire bytes" not in (tmp_path / "results.md").read_text()
     assert "wire" not in (tmp_path / "results.csv").read_text()  # an old folder's report stays as it was
-    for seed, (wire, exposed) in enumerate(((10_097_152, 0.5), (10_097_152, 1.5))):
+    for seed, (wire, exposed) in enumerate(((10_097_152, 0.5), (10_097_152.0, 1.5))):  # an int, or a float sum
         _fake_run(tmp_path, f"new-s{seed}", 4.5, method="diloco", workers=2, inner_steps=3, seed=seed,
                   summary={"cross_island_wire_bytes": wire, "exposed_sync_seconds": exposed}, **{"outer.lr": 0.4})
     write_report(tmp_path)

@@ -77,7 +77,7 @@ class RunResult:
     # Above the unigram baseline at an evaluation after its first: not a model still learning the
     # token frequencies, but one that lost them again (or never learnt them).
     above_after_first: bool = False
-    wire_bytes: int | None = None  # cross-island bytes over the run, all processes (newer runs only)
+    wire_bytes: float | None = None  # cross-island bytes over the run, all processes (newer runs only)
     exposed_sync_s: float | None = None  # synchronisation seconds training waited for (newer runs only)
     # The variant, plus its values of the settings other methods vary that apply to it: what the
     # tables show, so that a method run with one setting does not read as "—" beside the others.
@@ -332,7 +332,7 @@ def results_csv(runs: list[RunResult]) -> str:
           _fmt(r.peak and r.peak[1], ".6f"), _fmt(r.peak and r.peak[0], "d"), str(r.rose_above_unigram).lower(),
           str(r.above_after_first).lower(),
           _fmt(r.wall_time_s, ".1f"), _fmt(r.cpu_time_s, ".1f"),
-          *([_fmt(r.wire_bytes, "d"), _fmt(r.exposed_sync_s, ".3f")] if link else []),
+          *([_fmt(r.wire_bytes, ".0f"), _fmt(r.exposed_sync_s, ".3f")] if link else []),
           "finished" if r.final_val_loss is not None else "incomplete"] for r in runs))
 
 
@@ -457,7 +457,7 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                           _marked(_fmt(r.final_val_loss, ".4f") or "incomplete", r.unstable),
                           _fmt(r.gap_pct, "+.2f") or "—", _peak(r), f"{r.tokens:,}", _fmt(r.wall_time_s, ".0f") or "—",
                           _fmt(r.cpu_time_s, ".0f") or "—",
-                          *([_fmt(r.wire_bytes, ",d") or "—", _fmt(r.exposed_sync_s, ".2f") or "—"] if link else [])]
+                          *([_fmt(r.wire_bytes, ",.0f") or "—", _fmt(r.exposed_sync_s, ".2f") or "—"] if link else [])]
                          for r in runs]),
               *_footnotes(any(r.unstable for r in runs), any(r.rose_above_unigram for r in runs))]
     if plots:
