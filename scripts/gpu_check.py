@@ -15,7 +15,10 @@ and exits 1 if any check failed:
 7. a K = 32 TIES merge of offloaded deltas (fetched from host memory one at a time) on the
    178m shapes: peak device memory within a bound counted in deltas;
 8. `deterministic=true`: two runs, each in a fresh process, give the same bits;
-9. two GPUs as one island (NCCL) train what one GPU trains (skipped, saying so, with one GPU).
+9. two GPUs as one island (NCCL) train what one GPU trains (skipped, saying so, with one GPU);
+10. an overlapped int8 synchronisation (τ = 1) whose stages run on a side stream trains what
+    the CPU trains; over NCCL, two islands of one GPU train what one process trains (skipped,
+    saying so, with one GPU).
 
 `--dry-run` takes every step on the CPU with small shapes (tiny model, short sequences, two
 gloo processes for check 9), so the script is known to work before a GPU session spends
@@ -244,25 +247,56 @@ def deterministic(setting: Setting, workdir: Path) -> Row:
                "bit for bit", not differ)
 
 
+def launched_pair(setting: Setting, workdir: Path, label: str, extra: dict, island_args: list[str]) -> float:
+    """Largest relative difference of θ between a run of the tiny model on one process and on
+    two (`isoloco launch --nproc 2`), with `extra` items on both and `island_args` on the two."""
+    args = [f"{key}={value}" for key, value in {**TINY, "method": "isoloco", "device": setting.device,
+                                                **extra}.items()]
+    runs = {"alone": [], "launched": ["launch", "--nproc", "2", "--"]}
+    finals = {}
+    for run, prefix in runs.items():
+        out = workdir / f"{label}-{run}"
+        more = island_args if run == "launched" else []
+        done = subprocess.run([sys.executable, "-m", "isoloco", *prefix, "train", *args, *more, "--out", str(out),
+                               "--quiet"], capture_output=True, text=True)
+        if done.returncode:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"the {label} {run} run exited {done.returncode}: {last}")
+        finals[run] = ckpt.load_tensors(ckpt.latest_checkpoint(out / CHECKPOINT_DIR), "global")
+    return max(relative(finals["launched"][n], finals["alone"][n]) for n in finals["alone"])
+
+
 def island(setting: Setting, workdir: Path) -> Row:
     name = f"two {'GPUs' if setting.device == 'cuda' else 'CPU processes'} as one island vs one process"
     if setting.device == "cuda" and torch.cuda.device_count() < 2:
         return Row(name, f"skipped: {torch.cuda.device_count()} GPU visible, two needed", "—", None)
-    args = [f"{key}={value}" for key, value in {**TINY, "method": "isoloco", "device": setting.device}.items()]
-    runs = {"alone": [], "island": ["launch", "--nproc", "2", "--"]}
-    finals = {}
-    for label, prefix in runs.items():
-        out = workdir / f"island-{label}"
-        extra = ["gpus_per_worker=2"] if label == "island" else []
-        done = subprocess.run([sys.executable, "-m", "isoloco", *prefix, "train", *args, *extra, "--out", str(out),
-                               "--quiet"], capture_output=True, text=True)
-        if done.returncode:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"the {label} run exited {done.returncode}: {last}")
-        finals[label] = ckpt.load_tensors(ckpt.latest_checkpoint(out / CHECKPOINT_DIR), "global")
-    worst = max(relative(finals["island"][n], finals["alone"][n]) for n in finals["alone"])
+    worst = launched_pair(setting, workdir, "island", {}, ["gpus_per_worker=2"])
     limit = ISLAND_LIMITS[setting.device]
     return Row(name, f"largest relative difference of θ {worst:.1e}", f"≤ {limit:g}", worst <= limit)
+
+
+#: The overlapped, compressed synchronisation the overlap check runs (τ = 1 of H = 3).
+OVERLAP = {"outer.overlap_steps": 1, "outer.overlap_alpha": 0.5, "merge.quantize": "int8",
+           "merge.error_feedback": "true"}
+
+
+def overlap(setting: Setting, workdir: Path) -> list[Row]:
+    """The synchronisation in flight: its stages on a side stream (one GPU, against the CPU's
+    numbers), and over NCCL between two islands of one GPU (against one process), where the
+    collectives start from the main thread between inner steps."""
+    rows = []
+    stream = train(workdir / "overlap-device", method="isoloco", device=setting.device, **OVERLAP)
+    cpu = train(workdir / "overlap-cpu", method="isoloco", device="cpu", **OVERLAP)
+    worst = max(relative(a.cpu(), b) for a, b in zip(stream.global_params, cpu.global_params))
+    limit = ISLAND_LIMITS[setting.device]
+    rows.append(Row(f"an overlapped int8 synchronisation on {setting.device}"
+                    + (" (a side stream)" if setting.device == "cuda" else "") + " vs the CPU",
+                    f"largest relative difference of θ {worst:.1e}", f"≤ {limit:g}", worst <= limit))
+    name = f"two islands of one {'GPU (NCCL)' if setting.device == 'cuda' else 'CPU process'}, overlapped, vs one process"
+    if setting.device == "cuda" and torch.cuda.device_count() < 2:
+        return rows + [Row(name, f"skipped: {torch.cuda.device_count()} GPU visible, two needed", "—", None)]
+    worst = launched_pair(setting, workdir, "overlap", OVERLAP, [])
+    return rows + [Row(name, f"largest relative difference of θ {worst:.1e}", f"≤ {limit:g}", worst <= limit)]
 
 
 def timed(name: str, fn: Callable[[], Row | list[Row]]) -> tuple[list[Row], float]:
@@ -287,6 +321,7 @@ CHECKS: dict[str, Callable[[Setting, Path, float], Row | list[Row]]] = {
     "merge": lambda setting, workdir, peak: merge_memory(setting),
     "deterministic": lambda setting, workdir, peak: deterministic(setting, workdir),
     "island": lambda setting, workdir, peak: island(setting, workdir),
+    "overlap": lambda setting, workdir, peak: overlap(setting, workdir),
 }
 
 

@@ -143,7 +143,6 @@ def test_the_link_benchmark_reads_the_steady_rounds_only():
 
 def test_the_link_tables_and_plot_cover_every_case(tmp_path):
     from isoloco.bench import link
-    from isoloco.bench.planning import Link
 
     results = {link._key(m, l, b, q, t): {"round_s": 2.0, "sync_s": 0.5, "sync_exposed_s": 0.5 - 0.1 * t,
                                           "wire_bytes_cross_island": 1e6, "collectives_cross_island": 3}
@@ -156,7 +155,17 @@ def test_the_link_tables_and_plot_cover_every_case(tmp_path):
     assert tables[-2].rows[0] == ["diloco", "0.80", "0.80", "0.30", "0.38", "3.00 → 3.00"]
     assert all(len(t.rows) == len(link.METHODS) * len(link.BUCKETING) * len(link.QUANTIZE) for t in tables[:-2])
     assert tables[0].rows[0][3:5] == ["2.00 (0.50)", "2.00 (0.30)"]
-    planned = Link(0.1e9 / 8, 0.02).all_reduce(1e6, 2, 3)
+    # A ring of 2 members: each of the 3 collectives takes 2 latency steps of 20 ms, plus 1 MB at 0.1 Gbit/s.
+    planned = 1e6 * 8 / 0.1e9 + 3 * 2 * 0.02
     assert tables[-1].rows[0][4:] == [f"{planned:.2f}", "0.50", f"{0.5 / planned:.2f}"]
+    # The many-islands tables, when measured: a row per (P, R), one per format.
+    many = {f"islands|{p}|{r}|{q}": {"wire": 1e6 if q == "none" else 2.5e5} for p in (2, 4) for r in (8, 16)
+            for q in link.QUANTIZE}
+    many.update({f"rounds|{q}|{t}": {"round_s": 4.0, "sync_exposed_s": 1.0 - 0.5 * t, "wire_bytes_cross_island": 1e6}
+                 for q in link.QUANTIZE for t in link.ROUND_TAUS})
+    islands, rounds = list(link.results_tables({**results, **many}))[-2:]
+    assert len(islands.rows) == 4 and islands.rows[0][:2] == ["2", "8"]
+    assert islands.rows[0][4].endswith("0.250×")
+    assert rounds.rows[0] == ["float32", "4.00 (1.00)", "4.00 (0.00)", "1.0 MiB"]
     link.plot(results, tmp_path / "link.png")
     assert (tmp_path / "link.png").stat().st_size > 10_000

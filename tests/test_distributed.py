@@ -3,6 +3,7 @@ merges move the bytes the README promises, and a lost process stops the run, nam
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,11 +16,12 @@ import torch.multiprocessing as mp
 
 from isoloco import checkpoint as ckpt
 from isoloco import rules
-from isoloco.quantize import wire_nbytes
+from isoloco.sync.compressed import wire_bytes_per_process
 from isoloco.bench import comm as bench_comm
 from isoloco.bench.workload import parameter_shapes
 from isoloco.config import DEFAULT_PRESET, TrainConfig, parse_overrides, resolve
 from isoloco.errors import ConfigError
+from isoloco.comm import LINK_COUNTS
 from isoloco.distributed import Distributed, ProcessLayout, TorchCommunicator, assign_owners, process_group
 from isoloco.launch import add_launch_command, free_port, torchrun_argv
 from isoloco.metrics import read_metrics
@@ -49,14 +51,16 @@ RULES = {
     "iso_c": {"method": "isoloco"},
     "iso_c_update": {"method": "isoloco", "outer.iso_placement": "update"},
     "iso_cts": {"method": "isocts", "steps": 3, "eval_every": 3, "merge.finder_dtype": "float32"},
-    "mean_int8_ef": {"method": "diloco", "merge.quantize": "int8", "merge.error_feedback": True},
+    # One worker per island, as the simulator plays every worker (tests/test_compressed.py has
+    # islands of several workers against a float64 sum).
+    "mean_int8_ef": {"method": "diloco", "merge.quantize": "int8", "merge.error_feedback": True, "workers": 2},
     # IsoLoCo with round 0's synchronisation in flight for one step of round 1 (its traffic
     # counts in round 1, beside round 1's own: `test_overlap_counts_each_synchronisation_once`).
     "overlap": {"method": "isoloco", "outer.overlap_steps": 1, "outer.overlap_alpha": 0.5},
 }
 #: The mean again behind an emulated slow link (1 Gbit/s, 150 ms): the same numbers, later.
 SLOW_LINK = {"method": "diloco", "dist.emulate_link": "1,150"}
-CASES = {**{name: {**o, "workers": 4} for name, o in {**RULES, "mean_slow_link": SLOW_LINK}.items()},
+CASES = {**{name: {"workers": 4, **o} for name, o in {**RULES, "mean_slow_link": SLOW_LINK}.items()},
          "dp": {"method": "dp"}}
 
 
@@ -289,12 +293,6 @@ def cross_island_floats(cfg: TrainConfig, shapes: list[torch.Size], workers_per_
     factors (TSV: k triplets each, the other tensors' sum beside them; Iso-CTS: the mean,
     then s triplets each)."""
     rule = cfg.merge.rule
-    if cfg.merge.quantize != "none":  # each worker's deltas packed, in bytes: counted as floats of 4
-        quantization = cfg.merge.quantization
-        packed = sum(-(-wire_nbytes(shape.numel(), quantization, quantization.group_size(shape)) // 4) * 4
-                     for shape in shapes)
-        return [workers_per_island * packed / 4]
-
     def factors(shape: torch.Size, per_worker: int) -> int:
         return workers_per_island * per_worker * (sum(shape) + 1)
 
@@ -319,8 +317,10 @@ def test_each_process_sends_its_share_of_one_island_copy_across_islands(island_r
     island's matrices once (1/G per process)."""
     cfg = two_worker_runs[case].cfg
     shapes = [p.shape for p in two_worker_runs[case].global_params]
-    cross = sum(sliced(floats, 2) if cfg.merge.quantize == "none" else -(-int(4 * floats) // 2)
-                for floats in cross_island_floats(cfg, shapes, workers_per_island=1))
+    if cfg.merge.quantize == "none":
+        cross = sum(sliced(floats, 2) for floats in cross_island_floats(cfg, shapes, workers_per_island=1))
+    else:  # the cost model's count of the compressed sum, for 2 islands of 2 processes
+        cross = wire_bytes_per_process(shapes, cfg.merge.quantization, islands=2, slices=2)
     rounds = cfg.steps // cfg.inner_steps
     assert link_bytes(island_runs / case, "cross_island") == [cross] * rounds
     # Two islands: a ring all-reduce puts 2·(2 − 1)/2 of a slice on the wire, an all-gather
@@ -331,8 +331,10 @@ def test_each_process_sends_its_share_of_one_island_copy_across_islands(island_r
     if case in ("mean", "dare", "ties"):
         assert link_bytes(island_runs / case, "in_island") == [cross] * rounds
     if case == "mean_int8_ef":  # int8 codes and a scale per 256 entries against float32
-        # An all-gather, not a sum: each process's slice of both islands' packed bytes comes back.
-        assert link_bytes(island_runs / case, "in_island") == [2 * cross] * rounds
+        # Inside the island each process's decoded slice comes back as float32, as the mean's does.
+        mean = link_bytes(island_runs / "mean", "in_island")
+        assert all(theirs <= ours <= 1.01 * theirs for ours, theirs in zip(link_bytes(island_runs / case, "in_island"),
+                                                                          mean))
         float32 = link_bytes(island_runs / "mean", "wire_bytes_cross_island")
         assert all(ours <= 0.3 * theirs for ours, theirs in zip(link_bytes(island_runs / case, "wire_bytes_cross_island"),
                                                                float32))
@@ -552,8 +554,148 @@ def test_emulated_link_seconds_and_bad_values():
     from isoloco.distributed import DistConfig
 
     link = DistConfig(emulate_link="0.1,20").link()
-    assert link.seconds(0) == 0.02 and link.seconds(1.25e6) == pytest.approx(0.02 + 0.1)  # 10 Mbit at 0.1 Gbit/s
+    seconds = link.link.transfer_seconds
+    assert seconds(0) == 0.02 and seconds(1.25e6) == pytest.approx(0.02 + 0.1)  # 10 Mbit at 0.1 Gbit/s
+    # Collectives started together share the link: the second is delivered after the first.
+    first, second = link.deliver_at(1.25e6), link.deliver_at(1.25e6)
+    assert second - first == pytest.approx(0.12)
     assert DistConfig().link() is None
     for bad in ("fast", "0,20", "1", "1,-5", "1,2,3"):
         with pytest.raises(ConfigError, match="dist.emulate_link"):
             DistConfig(emulate_link=bad).validate()
+
+
+# -- many islands: the compressed sum in every layout, and no collective off the main thread ----
+
+#: Six processes: 6 islands of one (the exchange route), 3 islands of 2 processes (the exchange,
+#: each island's traffic split in 2), 2 islands of 3 (the all-gather route, split in 3).
+MANY_ISLANDS = {"processes": 6, "workers": 6, "layouts": (1, 2, 3), "formats": ("int8", "int4")}
+COMPRESSED_SHAPES = {"wide.weight": (24, 300), "tall.weight": (130, 7), "norm.weight": (24,)}
+COLLECTIVES = ("all_reduce", "all_gather", "all_to_all_single", "broadcast", "all_gather_into_tensor",
+               "reduce_scatter_tensor", "barrier")
+
+
+def worker_deltas(workers: int) -> dict[str, list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(5)
+    return {name: [torch.randn(shape, generator=generator) for _ in range(workers)]
+            for name, shape in COMPRESSED_SHAPES.items()}
+
+
+def _watch_threads(root: Path, rank: int) -> None:
+    """Record every torch.distributed collective started off the main thread."""
+    import threading
+
+    def watched(name, original):
+        def call(*args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                with open(root / f"off-main.{rank}.txt", "a") as found:
+                    found.write(f"{name} from {threading.current_thread().name}\n")
+            return original(*args, **kwargs)
+        return call
+
+    for name in COLLECTIVES:
+        setattr(torch.distributed, name, watched(name, getattr(torch.distributed, name)))
+
+
+def _many_islands(rank: int, world_size: int, port: int, root: str) -> None:
+    from isoloco.merge import Merger
+
+    _join_job(rank, world_size, port)
+    root = Path(root)
+    _watch_threads(root, rank)
+    workers = MANY_ISLANDS["workers"]
+    base = {**SMALL, "method": "diloco", "workers": workers, "global_batch": 36, "dist.timeout_s": 60}
+    with process_group(resolve(None, base)):
+        deltas = worker_deltas(workers)
+        results = {}
+        for gpus in MANY_ISLANDS["layouts"]:
+            for fmt in MANY_ISLANDS["formats"]:
+                cfg = resolve(None, {**base, "gpus_per_worker": gpus, "merge.quantize": fmt})
+                comm = Distributed(cfg).comm
+                local = {name: [ds[w] for w in comm.local_worker_ids] for name, ds in deltas.items()}
+                merged = Merger(cfg.merge, comm, seed=0).merge_all(local)
+                results[f"{gpus}-{fmt}"] = {"merged": merged, "counts": comm.reset_link_bytes()}
+        torch.save(results, root / f"merged.{rank}.pt")
+        # A short overlapped, compressed run of islands of 2: its collectives too stay on the main thread.
+        overlapped = resolve(None, {**base, "gpus_per_worker": 2, "merge.quantize": "int8",
+                                    "merge.error_feedback": True, "outer.overlap_steps": 1, "checkpoint_every": 3})
+        out, resumed = root / "overlapped", root / "resumed"
+        out.mkdir(exist_ok=True)
+        Trainer(overlapped, out, progress=False).run()
+        # The checkpoint at step 3 was taken with round 0's synchronisation in flight; islands 1
+        # and 2 wrote their workers' Δ and residuals from ranks 2 and 4. Resume from it.
+        if rank == 0:
+            shutil.copytree(out, resumed)
+            shutil.rmtree(resumed / "checkpoints" / "step_00000006")
+        Distributed(overlapped).barrier()
+        Trainer(overlapped, resumed, progress=False).run(resume=True)
+
+
+@pytest.fixture(scope="module")
+def many_islands(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("many-islands")
+    run_processes(_many_islands, MANY_ISLANDS["processes"], str(root))
+    return root
+
+
+def test_the_compressed_sum_over_many_islands_is_the_reference_and_within_its_bound(many_islands):
+    """Every layout against a float64 sum of the workers' deltas (the stated rounding bound) and
+    the one-process reference of its islands (the same bits); every process ends alike, and
+    each one's cross-island wire bytes are the cost model's."""
+    from isoloco.sync.codec import Quantization, dequantize, error_bound, quantize
+    from isoloco.sync.compressed import choose_route, reference_sum
+
+    processes, workers = MANY_ISLANDS["processes"], MANY_ISLANDS["workers"]
+    ranks = [torch.load(many_islands / f"merged.{rank}.pt") for rank in range(processes)]
+    deltas = worker_deltas(workers)
+    shapes = [torch.Size(shape) for shape in COMPRESSED_SHAPES.values()]
+    for gpus in MANY_ISLANDS["layouts"]:
+        islands = processes // gpus
+        per_island = workers // islands
+        route = choose_route(islands)
+        for fmt in MANY_ISLANDS["formats"]:
+            q = Quantization(fmt)
+            key = f"{gpus}-{fmt}"
+            for name, ds in deltas.items():
+                sums = []
+                for i in range(islands):
+                    total = ds[i * per_island].clone()
+                    for d in ds[i * per_island + 1:(i + 1) * per_island]:
+                        total.add_(d)
+                    sums.append(total)
+                merged = ranks[0][key]["merged"][name]
+                assert all(torch.equal(r[key]["merged"][name], merged) for r in ranks), (key, name)
+                assert torch.equal(merged, reference_sum(sums, q, route).div_(workers)), (key, name)
+                exact = torch.stack([d.double() for d in ds]).sum(0)
+                stated = sum(error_bound(quantize(x, q), x).double() for x in sums)
+                if route == "exchange":
+                    total = sum(dequantize(quantize(x, q)) for x in sums)
+                    stated = stated + error_bound(quantize(total, q), total).double()
+                assert ((merged.double() * workers - exact).abs() <= stated + 1e-5).all(), (key, name)
+            wire = [dict(zip(LINK_COUNTS, r[key]["counts"].tolist()))["wire_bytes_cross_island"] for r in ranks]
+            predicted = wire_bytes_per_process(shapes, q, islands, gpus)
+            assert sum(wire) / processes == pytest.approx(predicted), key
+            float32 = 2 * (islands - 1) / islands * 4 * sum(s.numel() for s in shapes) / gpus
+            assert max(wire) <= {"int8": 0.3, "int4": 0.17}[fmt] * float32, key
+
+
+def test_a_checkpoint_with_a_synchronisation_in_flight_resumes_to_the_same_bits(many_islands):
+    """Three islands of two processes: the island leaders 2 and 4 save their workers' state with
+    a synchronisation in flight; the resumed run ends on the uninterrupted run's bits, and its
+    landing round reports the drained synchronisation's traffic as the uninterrupted run did."""
+    straight, resumed = (many_islands / name for name in ("overlapped", "resumed"))
+    state = ckpt.verify(ckpt.latest_checkpoint(resumed / "checkpoints"))
+    assert {"workers-1.safetensors", "workers-2.safetensors", "overlap.safetensors"} <= set(state["checksums"])
+    first, second = final_params(straight), final_params(resumed)
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    keys = ("bytes_per_worker", "wire_bytes_cross_island", "collectives")
+    rounds = [[[line[k] for k in keys] for line in read_metrics(run / "metrics.jsonl") if "sync_s" in line]
+              for run in (resumed, straight)]
+    # (a checkpoint keeps the round's mean over processes, which is averaged again: float rounding)
+    assert rounds[0] == [pytest.approx(counts, rel=1e-12) for counts in rounds[1]]
+
+
+def test_no_collective_starts_off_the_main_thread(many_islands):
+    assert not list(many_islands.glob("off-main.*.txt")), [p.read_text() for p in many_islands.glob("off-main.*")]
+    steps = [line["step"] for line in read_metrics(many_islands / "overlapped" / "metrics.jsonl")]
+    assert steps == list(range(1, 7))  # the overlapped run trained to its end

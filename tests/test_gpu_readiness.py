@@ -31,7 +31,8 @@ def test_a_process_without_a_gpu_of_its_own_is_refused(monkeypatch):
 def test_gradient_buckets_pack_small_tensors_and_leave_large_ones_alone():
     sizes = [10, 10, 300, 5, 3, 40]  # floats; a limit of 256 bytes = 64 floats
     tensors = [torch.zeros(n) for n in sizes] + [torch.zeros(4, dtype=torch.float64)]
-    from isoloco.comm import buckets, nbytes
+    from isoloco.comm import nbytes
+    from isoloco.sync.plan import buckets
 
     groups = buckets([(nbytes(t), t.dtype) for t in tensors], 256)
     assert [[tensors[i].numel() for i in b] for b in groups] == [[10, 10], [300], [5, 3, 40], [4]]

@@ -13,6 +13,7 @@ from isoloco import merge, rules
 from isoloco.comm import Communicator, LocalCommunicator
 from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.ortho import IsoSettings
+from helpers import ProcessGroup, ThreadCommunicator
 
 RULE_NAMES = ["mean", "ties", "dare", "tsv", "iso_c", "iso_cts"]
 ORTHOS = ["svd", "gram", "newton_schulz", "polar_express"]
@@ -401,52 +402,6 @@ def test_bytes_sent_per_worker(rule, floats, m, n, workers):
 # ------------------------------------------------------------------ layout independence
 
 
-class ProcessGroup:
-    """Processes simulated by threads that exchange tensors through shared slots."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.slots: list = [None] * world_size
-        self.barrier = threading.Barrier(world_size, timeout=60)
-
-    def communicators(self, workers_per_process: int) -> list["ThreadCommunicator"]:
-        return [ThreadCommunicator(self, rank, workers_per_process) for rank in range(self.world_size)]
-
-    def exchange(self, rank: int, item) -> list:
-        self.slots[rank] = item
-        self.barrier.wait()
-        items = list(self.slots)
-        self.barrier.wait()  # nobody overwrites a slot before everyone has read it
-        return items
-
-
-class ThreadCommunicator(Communicator):
-    """One simulated process holding `workers_per_process` consecutive workers."""
-
-    def __init__(self, group: ProcessGroup, rank: int, workers_per_process: int) -> None:
-        super().__init__()
-        self.group, self.rank, self.workers_per_process = group, rank, workers_per_process
-
-    @property
-    def num_workers(self) -> int:
-        return self.group.world_size * self.workers_per_process
-
-    @property
-    def local_worker_ids(self) -> list[int]:
-        start = self.rank * self.workers_per_process
-        return list(range(start, start + self.workers_per_process))
-
-    def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
-        parts = self.group.exchange(self.rank, tensor)
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total.add_(part)
-        return total
-
-    def _gather_across_processes(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [t for part in self.group.exchange(self.rank, list(tensors)) for t in part]
-
-
 PARAMETERS = {"wide.weight": (10, 16), "tall.weight": (18, 8), "norm.weight": (8,)}
 
 
@@ -727,19 +682,26 @@ def test_the_polar_factor_beside_an_orthonormal_block_is_the_whole_one(shape, ou
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-@pytest.mark.parametrize("rule", ["mean", "iso_c"])
-def test_a_compressed_merge_is_the_rule_on_the_dequantised_deltas(fmt, rule):
-    from isoloco.quantize import Quantization, dequantize, quantize
+@pytest.mark.parametrize("rule", ["mean", "iso_c", "dare"])
+def test_a_compressed_merge_is_the_rule_on_the_compressed_sum(fmt, rule):
+    """The simulator's R workers are R islands: each worker's contribution is encoded, the
+    decoded ones are added in worker order, and the owners re-encode the total (R > 2)."""
+    from isoloco.sync.codec import Quantization, dequantize, quantize
 
     q = Quantization(fmt)
     deltas = {"w": make_deltas(4, (12, 10)), "b": make_deltas(4, (10,), seed=1)}
     comm = LocalCommunicator(4)
     merged = merge.Merger(merge.MergeConfig(rule=rule, quantize=fmt), comm, seed=0).merge_all(deltas)
+    exact = merge.Merger(merge.MergeConfig(rule=rule), LocalCommunicator(4), seed=0)
     for name, ds in deltas.items():
-        sent = [dequantize(quantize(d, q)) for d in ds]
-        expected = merge.Merger(merge.MergeConfig(rule=rule), LocalCommunicator(4), seed=0).merge(name, sent)
-        assert torch.equal(merged[name], expected), name
-    # Per worker, the compressed bytes of each tensor (padded to 4-byte multiples), not float32's.
+        if rule == "dare":  # its contributions are the masked, rescaled deltas
+            ds = [d * rules.keep_mask(rules.mask_key(0, r, 0, name), 0, d.numel(), 0.9, d.device).view_as(d) / 0.9
+                  for r, d in enumerate(ds)]
+        total = sum(dequantize(quantize(d, q)) for d in ds)
+        mean = dequantize(quantize(total, q)) / 4
+        expected = exact.finalize(name, mean) if rule == "iso_c" else mean
+        torch.testing.assert_close(merged[name], expected, rtol=1e-6, atol=1e-7, msg=name)
+    # Per worker, the compressed bytes of each tensor, not float32's.
     assert comm.reset_bytes() < {"bf16": 0.55, "int8": 0.3, "int4": 0.17}[fmt] * 4 * (120 + 10)
 
 
@@ -759,36 +721,11 @@ def test_error_feedback_sends_what_compression_lost_later():
         m.merge_all({"w": make_deltas(2, (6, 5))}, 0)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_compressed_merges_do_not_depend_on_the_process_layout(world_size):
-    cfg = merge.MergeConfig(rule="iso_c", quantize="int8", error_feedback=True)
-    deltas = {name: make_deltas(4, shape, seed=i) for i, (name, shape) in enumerate(PARAMETERS.items())}
-    local = {name: [torch.zeros(shape) for _ in range(4)] for name, shape in PARAMETERS.items()}
-    expected = merge.Merger(cfg, LocalCommunicator(4), seed=11).merge_all(deltas, 0, residuals=local)
-    comms = ProcessGroup(world_size).communicators(4 // world_size)
-    results: list = [None] * world_size
-    spread = {name: [torch.zeros(shape) for _ in range(4)] for name, shape in PARAMETERS.items()}
-
-    def run(rank: int) -> None:
-        ids = comms[rank].local_worker_ids
-        mine = {name: [ds[i] for i in ids] for name, ds in deltas.items()}
-        residuals = {name: [rs[i] for i in ids] for name, rs in spread.items()}
-        results[rank] = merge.Merger(cfg, comms[rank], seed=11).merge_all(mine, 0, residuals=residuals)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for result in results:
-        for name in PARAMETERS:
-            assert torch.equal(result[name], expected[name]), name
-    for name in PARAMETERS:
-        assert all(torch.equal(a, b) for a, b in zip(spread[name], local[name]))
-
-
 @pytest.mark.parametrize("overrides, message", [
-    (dict(rule="ties", quantize="int8"), "merge.quantize=int8 is not allowed with merge.rule=ties"),
+    (dict(rule="ties", quantize="int8"), "merge.quantize=int8 is not allowed with merge.rule=ties: one of its sums "
+                                         "counts agreeing workers"),
+    (dict(rule="tsv", quantize="int4"), "merge.quantize=int4 is not allowed with merge.rule=tsv: tsv gathers"),
+    (dict(rule="iso_cts", quantize="bf16"), "merge.quantize=bf16 is not allowed with merge.rule=iso_cts"),
     (dict(rule="mean", error_feedback=True), "merge.error_feedback=true is not allowed with merge.quantize=none"),
     (dict(rule="mean", quantize="int2"), "merge.quantize"),
     (dict(rule="mean", quantize="int8", quantize_block=0), "merge.quantize_block"),

@@ -10,19 +10,19 @@ GPU = planning.Scenario("178m", islands=8, gpus_per_worker=8, inner_steps=30, to
 
 def test_rings_move_their_textbook_bytes():
     link = planning.Link(bandwidth=100.0, latency=0.5)
-    assert link.all_reduce(400, members=4, messages=1) == pytest.approx(2 * 3 * (1 + 0.5))
-    assert link.all_gather(400, members=4, messages=2) == pytest.approx(3 * (1 + 2 * 0.5))
-    assert link.all_reduce(400, members=1, messages=3) == 0  # alone: nothing to send
+    assert link.seconds("all_reduce", 400, 4, 1) == pytest.approx(2 * 3 * (1 + 0.5))
+    assert link.seconds("all_gather", 400, 4, 2) == pytest.approx(3 * (1 + 2 * 0.5))
+    assert link.seconds("all_reduce", 400, 1, 3) == 0  # alone: nothing to send
 
 
 def test_the_split_sends_one_island_copy_and_diloco_beats_dp_on_a_slow_link():
     slow = 1e9 / 8  # 1 Gbit/s
     times = GPU.round_seconds(slow)
-    compute_and_fast = times["compute"] + GPU.inner_steps * GPU.fast.all_reduce(GPU.model_bytes, 8, messages=1)
+    compute_and_fast = times["compute"] + GPU.inner_steps * GPU.fast.seconds("all_reduce", GPU.model_bytes, 8, 1)
     ring = 2 * 7 / 8 * GPU.model_bytes / slow
     latency = 2 * 7 * GPU.merge_collectives * GPU.slow_latency
     assert times["diloco, G copies across"] - compute_and_fast == pytest.approx(8 * ring + latency)
-    gather = GPU.fast.all_gather(GPU.model_bytes, 8, GPU.merge_collectives)
+    gather = GPU.fast.seconds("all_gather", GPU.model_bytes, 8, GPU.merge_collectives)
     assert times["diloco, split"] - compute_and_fast == pytest.approx(ring + latency + gather)
     assert times["compute"] < times["diloco, split"] < times["diloco, G copies across"] < times["dp"]
     # With an unlimited slow link only its latency is left: DP pays one chain across islands per

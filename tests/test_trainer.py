@@ -91,6 +91,76 @@ def test_overlap_lands_the_merged_update_after_tau_steps(tmp_path):
     assert all(line["sync_exposed_s"] <= line["sync_s"] + 1e-3 for line in synced)
 
 
+#: Plain SGD at a constant rate inside and FedAvg outside: a round's result is easy to write by hand.
+PLAIN_SGD = {"inner.optimizer": "sgd", "inner.lr": 0.2, "inner.grad_clip": 0.0, "inner.warmup_fraction": 0.0,
+             "inner.min_lr_ratio": 1.0, "outer.optimizer": "sgd", "outer.lr": 1.0, "outer.momentum": 0.0}
+
+
+def overlap_by_hand(tmp_path: Path, tau: int, alpha: float, rounds: int = 3, inner_steps: int = 3) -> list[torch.Tensor]:
+    """θ at the end of one worker's run with overlap τ, α, written as a plain loop over the
+    same model and batches: each round after the first starts from the worker's own weights,
+    and before its step τ they become (1 − α)·θ + α·w; θ ← θ − (θ − w) after every round."""
+    steps = rounds * inner_steps
+    cfg = resolve(None, {**SMALL, "method": "dp", "steps": steps, "eval_every": steps, **PLAIN_SGD})
+    model = Trainer(cfg, tmp_path / "by-hand", progress=False)
+    w = model.params
+    theta = [p.detach().clone() for p in w]
+    for step in range(steps):
+        taken = step % inner_steps
+        with torch.no_grad():
+            if step >= inner_steps and taken == tau:
+                for p, global_p in zip(w, theta):
+                    p.copy_((1 - alpha) * global_p + alpha * p)
+        model._forward_backward(model.batches.rows(step, 0, cfg.global_batch))
+        with torch.no_grad():
+            for p in w:
+                p.sub_(0.2 * p.grad)
+                p.grad = None
+        if taken == inner_steps - 1:
+            theta = [global_p - (global_p - p.detach()) for global_p, p in zip(theta, w)]
+    return theta
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_overlap_lands_where_a_plain_loop_says(tmp_path, alpha):
+    """The oracle: one worker, SGD inside and out, lr 1 outside; the landed θ matches the loop
+    written by hand, and a loop that lands one step late does not."""
+    tau = 1
+    run = train(tmp_path, f"run-{alpha}", method="diloco", workers=1, inner_steps=3, steps=9, eval_every=9,
+                **{**PLAIN_SGD, "outer.overlap_steps": tau, "outer.overlap_alpha": alpha})
+    assert_close_relative(run.global_params, overlap_by_hand(tmp_path, tau, alpha), 1e-5)
+    if alpha < 1:  # α = 1 lands nothing: there is no step to be late for
+        late = overlap_by_hand(tmp_path, tau + 1, alpha)
+        errors = [(torch.linalg.norm(x - y) / torch.linalg.norm(y)).item() for x, y in zip(run.global_params, late)]
+        assert max(errors) > 1e-3
+
+
+def test_an_error_in_flight_surfaces_at_the_landing_and_closes_the_synchronisation(tmp_path, monkeypatch):
+    """A stage that raises keeps its error for the landing (not before it), and nothing of
+    the synchronisation stays in flight."""
+    from isoloco import outer as outer_module
+
+    cfg = resolve(None, {**SMALL, "method": "isoloco", "workers": 2, "inner_steps": 3, "steps": 9,
+                         "outer.overlap_steps": 2})
+    trainer = Trainer(cfg, tmp_path / "failing", progress=False)
+    (tmp_path / "failing").mkdir()
+    calls = []
+
+    def failing_step(self, *args, **kwargs):
+        calls.append("step")
+        raise RuntimeError("spoiled outer step")
+
+    trainer.train_round(0, 3)  # round 0's synchronisation starts in flight
+    monkeypatch.setattr(outer_module.OuterStep, "_apply", lambda self, merger, merge, deltas, fetch: (
+        (yield from merge), failing_step(self))[1])
+    trainer.train_round(3, 6)  # lands round 0's (fine), starts round 1's, which will fail
+    in_flight = trainer.algorithm.in_flight
+    assert in_flight.running
+    with pytest.raises(RuntimeError, match="spoiled outer step"):
+        trainer.take_turn(trainer.workers[0], 6, 9)
+    assert calls == ["step"] and not in_flight.running
+
+
 @pytest.mark.parametrize("overrides, words", [
     ({"outer.overlap_steps": 3}, "outer.overlap_steps=3 is not allowed with inner_steps=3"),
     ({"outer.overlap_steps": -1}, "outer.overlap_steps=-1 is not allowed"),

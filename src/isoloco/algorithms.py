@@ -9,7 +9,7 @@ the algorithm synchronises. What differs between the algorithms lives here:
   by `OuterStep`; a worker whose loss or Δ is not finite stops the run or, with
   `on_bad_worker=drop`, is left out of the round and restarted from θ. With
   `outer.overlap_steps=τ` the synchronisation runs while the next round's first τ steps
-  train from each worker's own weights (`isoloco.overlap`).
+  train from each worker's own weights (`isoloco.sync.inflight`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from isoloco.distributed import Distributed
 from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.inner import InnerOptimizer, pinned_zeros_like
 from isoloco.outer import OuterStep
-from isoloco.overlap import InFlight
+from isoloco.sync.handles import Steps, Sync, run_to_end
+from isoloco.sync.inflight import InFlight
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,20 @@ class Algorithm(ABC):
         (the tensors themselves: a restore copies into them)."""
         return {}
 
+    def settle(self) -> None:
+        """Finish whatever of the last synchronisation is still running (every process, before a checkpoint)."""
+
+    def period_state(self) -> dict[str, Any]:
+        """The counts of the round in progress, for a checkpoint (a collective: every process
+        calls it), so a synchronisation drained before a checkpoint is reported after a resume too."""
+        return {}
+
+    def load_period_state(self, state: Mapping[str, Any]) -> None:
+        """Restore `period_state`."""
+
+    def close(self) -> None:
+        """Release what the algorithm holds between rounds (a synchronisation in flight), on every exit path."""
+
     def load_checkpoint_files(self, load: Callable[[str], Mapping[str, torch.Tensor]]) -> None:
         """Restore what `checkpoint_files` wrote; `load(file)` opens one file, whose tensors are
         read as they are asked for."""
@@ -147,7 +162,8 @@ class DiLoCo(Algorithm):
                                self._buffers() if cfg.merge.error_feedback else [])
                         for w in dist.comm.local_worker_ids]
         self.dropped: list[int] = []  # the workers left out of the last round
-        self.in_flight = InFlight(self.global_params, device) if cfg.outer.overlap_steps else None
+        self.in_flight = (InFlight(self._buffers(), self.global_params, device, cfg.outer.overlap_steps)
+                          if cfg.outer.overlap_steps else None)
         #: Local workers whose next turn starts from their own weights and lands the update in flight.
         self.unlanded: set[int] = set()
         self._new_period()
@@ -186,19 +202,24 @@ class DiLoCo(Algorithm):
 
     @torch.no_grad()
     def _own_weights(self, worker: Worker) -> None:
-        """θ_r = θ_t − Δ_r in the compute model: the weights `worker` ended its last turn with."""
-        torch._foreach_copy_(self.params, worker.delta)
-        torch._foreach_sub_(self.params, self.in_flight.base)
-        torch._foreach_neg_(self.params)
+        """θ_r = θ_t − Δ_r in the compute model: the weights `worker` ended its last turn with
+        (θ_t and Δ_r may be in host memory)."""
+        torch._foreach_copy_(self.params, self.in_flight.base)
+        for param, delta in zip(self.params, worker.delta):
+            param.sub_(self._fetch(delta))
 
     def before_step(self, worker: Worker, taken: int) -> None:
-        if taken == self.cfg.outer.overlap_steps and worker.index in self.unlanded:
+        if worker.index not in self.unlanded:
+            return
+        if taken == self.cfg.outer.overlap_steps:
             self._land(worker)
+        else:
+            self.in_flight.before_step(taken)
 
     @torch.no_grad()
     def _land(self, worker: Worker) -> None:
         """Apply the synchronisation in flight to `worker`'s weights: θ_r ← (1 − α)·θ + α·θ_r."""
-        self._settle()
+        self.settle()
         alpha = self.cfg.outer.overlap_alpha
         if alpha == 0:
             torch._foreach_copy_(self.params, self.global_params)
@@ -206,9 +227,9 @@ class DiLoCo(Algorithm):
             torch._foreach_lerp_(self.params, self.global_params, 1 - alpha)
         self.unlanded.discard(worker.index)
 
-    def _settle(self) -> None:
-        """Wait for the synchronisation in flight, if any (θ is then θ_{t+1})."""
-        if self.in_flight is not None and self.in_flight.wait():
+    def settle(self) -> None:
+        """Land the synchronisation in flight, if any (θ is then θ_{t+1})."""
+        if self.in_flight is not None and self.in_flight.land():
             self._ended(self.in_flight.ran_s, self.in_flight.waited_s)
 
     @torch.no_grad()
@@ -225,11 +246,11 @@ class DiLoCo(Algorithm):
         merged, losses = self._kept(worker_losses, round)
         last = (round + 1) * self.cfg.inner_steps >= self.cfg.train_steps
         if self.in_flight is not None and not last:
-            self.in_flight.start(lambda: self._merge(merged, round))
+            self.in_flight.start(self._merge(merged, round))
             self.unlanded = {worker.index for worker in self.workers}
             return losses
         began = time.perf_counter()
-        self._merge(merged, round)
+        run_to_end(self._merge(merged, round).steps)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the clock must see the merge's kernels end
         seconds = time.perf_counter() - began
@@ -251,14 +272,18 @@ class DiLoCo(Algorithm):
                            "others and restarting them from the global model", round, self.dropped)
         return merged, worker_losses[kept].mean(dim=0)
 
-    def _merge(self, merged: list[Worker], round: int) -> None:
-        """Merge `merged`'s deltas and take the outer step (θ_t → θ_{t+1})."""
+    def _merge(self, merged: list[Worker], round: int) -> Sync[None]:
+        """Merge `merged`'s deltas and take the outer step (θ_t → θ_{t+1}), as steps."""
         # Stored deltas (host memory when offloaded) reach the device a parameter at a time.
         deltas = {name: [w.delta[i] for w in merged] for i, name in enumerate(self.names)}
         residuals = ({name: [w.residual[i] for w in merged] for i, name in enumerate(self.names)}
                      if self.cfg.merge.error_feedback else None)
-        self.outer.step(deltas, round=round, fetch=self._fetch,
-                        workers=[w.index for w in merged] if self.dropped else None, residuals=residuals)
+        step = self.outer.start(deltas, round=round, fetch=self._fetch,
+                                workers=[w.index for w in merged] if self.dropped else None, residuals=residuals)
+        return Sync(self._after_merge(step.steps), step.stages)
+
+    def _after_merge(self, step: Steps[None]) -> Steps[None]:
+        yield from step
         for worker in self.workers:
             if worker.index in self.dropped:  # its optimizer state is as poisoned as its weights
                 worker.optimizer = self.new_optimizer()
@@ -287,11 +312,11 @@ class DiLoCo(Algorithm):
 
     @torch.no_grad()
     def use_global_weights(self) -> None:
-        self._settle()
+        self.settle()
         torch._foreach_copy_(self.params, self.global_params)
 
     def checkpoint_files(self) -> dict[str, dict[str, torch.Tensor]]:
-        self._settle()
+        self.settle()
         files = {OUTER_FILE: self.outer.state_dict()}
         if self.in_flight is not None:
             files[OVERLAP_FILE] = dict(zip(self.names, self.in_flight.base))
@@ -302,6 +327,20 @@ class DiLoCo(Algorithm):
         if self.in_flight is not None:  # its Δ_r still makes its own weights (`_own_weights`)
             tensors.update(zip((f"w{worker.index}.delta.{name}" for name in self.names), worker.delta))
         return tensors
+
+    def period_state(self) -> dict[str, Any]:
+        # Link counts differ between processes: their mean, which round_metrics would report.
+        return {"bytes_per_worker": self.bytes_per_worker, "sync_s": self.sync_s,
+                "sync_exposed_s": self.sync_exposed_s, "links": self.dist.mean_link_counts(self.link_counts)}
+
+    def load_period_state(self, state: Mapping[str, Any]) -> None:
+        self.bytes_per_worker, self.sync_s = state["bytes_per_worker"], state["sync_s"]
+        self.sync_exposed_s = state["sync_exposed_s"]
+        self.link_counts = torch.tensor([state["links"][key] for key in LINK_COUNTS], dtype=torch.float64)
+
+    def close(self) -> None:
+        if self.in_flight is not None:
+            self.in_flight.close()
 
     def load_checkpoint_files(self, load: Callable[[str], Mapping[str, torch.Tensor]]) -> None:
         self.outer.load_state_dict(load(OUTER_FILE))

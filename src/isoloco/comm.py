@@ -6,6 +6,11 @@ processes' workers only through the collectives below. Writing each rule once ag
 interface lets the same code serve the one-process simulator and a `torch.distributed` job,
 and lets each rule pick the cheapest collective that is still exact.
 
+Every collective also has a start-now, wait-later form (`sum_async`, `gather_async`,
+`shard_map_async`, and the compressed sum's `exchange`, `gather_peers` and `join_island`),
+which returns a `Pending` handle (`isoloco.sync.handles`): the sync layer starts a stage's
+collectives, lets training run, and waits when it needs the results.
+
 Two kinds of count are kept. `bytes_sent_per_worker` is what a rule hands to its collectives
 per worker, the same in every layout. The link counts (`LINK_COUNTS`) are this process's
 traffic over each kind of link: the bytes it hands to collectives, the bytes the collectives'
@@ -18,9 +23,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import torch
+
+from isoloco.sync.handles import Pending
 
 
 class Communicator(ABC):
@@ -50,19 +57,49 @@ class Communicator(ABC):
     def _gather_across_processes(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """All-gather of equally shaped per-worker tensors, ordered by global worker id."""
 
+    @property
+    def islands(self) -> int:
+        """P: the islands whose processes exchange over the slow link (1: everything is local)."""
+        return 1
+
+    @property
+    def island(self) -> int:
+        """This process's island, 0..P−1."""
+        return 0
+
+    @property
+    def island_slices(self) -> tuple[int, int]:
+        """(G, j): the island's traffic across islands is split in G slices, and this process
+        carries slice j (processes of one island hold the same sums)."""
+        return 1, 0
+
     def sum(self, local_total: torch.Tensor) -> torch.Tensor:
         """Sum over all processes of this process's sum of its workers' tensors (one
         all-reduce); may write into `local_total`."""
+        return self.sum_async(local_total).wait()
+
+    def sum_async(self, local_total: torch.Tensor) -> Pending[torch.Tensor]:
+        """`sum`, started now and waited for later."""
         self._count(local_total)
-        return self._sum_across_processes(local_total)
+        return self._start_sum(local_total)
 
     def gather(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every worker's tensor, ordered by global worker id (an all-gather).
 
         Meant for small tensors (low-rank factors); all workers' tensors must share a shape.
         """
+        return self.gather_async(local).wait()
+
+    def gather_async(self, local: list[torch.Tensor]) -> Pending[list[torch.Tensor]]:
+        """`gather`, started now and waited for later."""
         self._count(local[0])
-        return self._gather_across_processes(local)
+        return self._start_gather(local)
+
+    def _start_sum(self, tensor: torch.Tensor) -> Pending[torch.Tensor]:
+        return Pending.done(self._sum_across_processes(tensor))
+
+    def _start_gather(self, tensors: list[torch.Tensor]) -> Pending[list[torch.Tensor]]:
+        return Pending.done(self._gather_across_processes(tensors))
 
     def shard_map(self, fn: Callable[[torch.Tensor], torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """`[fn(t) for t in tensors]` for a pure, shape- and dtype-keeping `fn` (e.g. Iso-C's
@@ -72,7 +109,29 @@ class Communicator(ABC):
         others, so the time falls with the number of processes; every process must call it
         with the same tensors, in the same order.
         """
-        return [fn(tensor) for tensor in tensors]
+        return self.shard_map_async(fn, tensors).wait()
+
+    def shard_map_async(self, fn: Callable[[torch.Tensor], torch.Tensor],
+                        tensors: list[torch.Tensor]) -> Pending[list[torch.Tensor]]:
+        """`shard_map`: this process's share computed now, the others' results waited for later."""
+        return Pending.done([fn(tensor) for tensor in tensors])
+
+    # The compressed sum's collectives over the peer group (process j of every island); only
+    # communicators with several islands have them (`isoloco.sync.compressed`).
+
+    def exchange(self, send: torch.Tensor, send_sizes: list[int], receive_sizes: list[int]) -> Pending[list[torch.Tensor]]:
+        """All-to-all of uint8 blobs: `send`'s part p (of `send_sizes[p]` bytes) goes to island
+        p; the result is what each island sent this one, in island order."""
+        raise NotImplementedError(f"{type(self).__name__} has one island: nothing to exchange")
+
+    def gather_peers(self, blob: torch.Tensor) -> Pending[list[torch.Tensor]]:
+        """All-gather of equally sized uint8 blobs over the islands, in island order."""
+        raise NotImplementedError(f"{type(self).__name__} has one island: nothing to gather")
+
+    def join_island(self, part: torch.Tensor) -> Pending[list[torch.Tensor]]:
+        """All-gather inside the island of each process's `part` (its slice, padded to the
+        island's widest), in slot order."""
+        raise NotImplementedError(f"{type(self).__name__} does not split an island's traffic")
 
     def _count(self, tensor: torch.Tensor) -> None:
         self.bytes_sent_per_worker += nbytes(tensor)
@@ -116,37 +175,6 @@ class Communicator(ABC):
 #: (`wire_bytes`); `collectives`: its collective calls, in all and over each link.
 LINK_COUNTS = ("bytes_cross_island", "bytes_in_island", "wire_bytes_cross_island", "wire_bytes_in_island",
                "collectives", "collectives_cross_island", "collectives_in_island")
-
-
-def wire_bytes(kind: str, size: int, processes: int) -> float:
-    """Bytes one process puts on the link in a collective over `processes` processes, by
-    the usual algorithms: a ring all-reduce of a `size`-byte tensor sends 2(P−1)/P of it
-    (reduce-scatter, then all-gather); an all-gather of `size`-byte blocks sends its block to
-    each of the P − 1 others ((P−1)/P of the gathered result); a broadcast of `size` bytes
-    sends it to each of the P − 1 receivers, counted at the source."""
-    if processes <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2 * (processes - 1) / processes * size
-    if kind in ("all_gather", "broadcast"):
-        return (processes - 1) * size
-    raise ValueError(f"unknown collective {kind!r}: expected all_reduce, all_gather or broadcast")
-
-
-def buckets(sizes: Sequence[tuple[int, torch.dtype]], limit: int) -> list[list[int]]:
-    """Indices of consecutive items (byte size, dtype) grouped into runs of one dtype and at
-    most `limit` bytes, for one collective each; an item of `limit` bytes or more is a bucket
-    of its own."""
-    groups: list[list[int]] = []
-    used = 0
-    for index, (size, dtype) in enumerate(sizes):
-        if groups and used + size <= limit and sizes[groups[-1][0]][1] == dtype:
-            groups[-1].append(index)
-            used += size
-        else:
-            groups.append([index])
-            used = size
-    return groups
 
 
 def nbytes(tensor: torch.Tensor) -> int:

@@ -31,17 +31,24 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from isoloco.comm import LINK_COUNTS, Communicator, LocalCommunicator, buckets, nbytes, wire_bytes
+from isoloco.comm import LINK_COUNTS, Communicator, LocalCommunicator, nbytes
 from isoloco.configbase import check_at_least, check_choices, check_positive, option
 from isoloco.errors import CollectiveError, ConfigError, PeerLostError, first_line
+from isoloco.sync.cost import Link, wire_bytes
+from isoloco.sync.handles import Pending
+from isoloco.sync.plan import buckets
 from isoloco.watchdog import PeerWatchdog
 
 if TYPE_CHECKING:
     from isoloco.config import TrainConfig
 
 BACKENDS = ("auto", "nccl", "gloo")
+#: The named dimensions of a run's DeviceMesh: islands (its groups are the peer groups that
+#: merge across the slow link) by the processes of one island (the fast link).
+MESH_DIMS = ("islands", "island")
 
 
 @dataclasses.dataclass
@@ -87,16 +94,20 @@ class DistConfig:
         return EmulatedLink(gbps, latency_ms)
 
 
-@dataclasses.dataclass(frozen=True)
 class EmulatedLink:
-    """A slow link between islands, emulated on one machine by waiting after each collective."""
+    """A slow link between islands, emulated on one machine: a collective's result is held
+    back until the link, busy with the collectives before it, would have delivered it (one
+    latency per collective plus its wire bytes at the link's rate)."""
 
-    gbps: float  # bandwidth, Gbit/s
-    latency_ms: float  # latency of one collective, ms
+    def __init__(self, gbps: float, latency_ms: float) -> None:
+        self.link = Link(bandwidth=gbps * 1e9 / 8, latency=latency_ms / 1000)
+        self._free_at = 0.0
 
-    def seconds(self, wire: float) -> float:
-        """How long a collective that puts `wire` bytes on this link takes on it."""
-        return self.latency_ms / 1000 + wire * 8 / (self.gbps * 1e9)
+    def deliver_at(self, wire: float) -> float:
+        """When a collective putting `wire` bytes on the link, started now, is delivered."""
+        begins = max(time.perf_counter(), self._free_at)
+        self._free_at = begins + self.link.transfer_seconds(wire)
+        return self._free_at
 
 
 # ------------------------------------------------------------------------------- layout
@@ -266,61 +277,115 @@ class TorchCommunicator(Communicator):
     def local_worker_ids(self) -> list[int]:
         return self._layout.local_worker_ids
 
+    @property
+    def islands(self) -> int:
+        return self._layout.islands if self._peers is not None else 1
+
+    @property
+    def island(self) -> int:
+        return self._layout.island if self._peers is not None else 0
+
+    @property
+    def island_slices(self) -> tuple[int, int]:
+        return self._slices, self._slot
+
     def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._peers is None:
-            return tensor
-
-        def all_reduce(part: torch.Tensor) -> torch.Tensor:
-            dist.all_reduce(part, group=self._peers)
-            return part
-
-        return self._across_islands(tensor, all_reduce, "all_reduce", "merge all-reduce").view_as(tensor)
+        return self._start_sum(tensor).wait()
 
     def _gather_across_processes(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._start_gather(tensors).wait()
+
+    def _start_sum(self, tensor: torch.Tensor) -> Pending[torch.Tensor]:
         if self._peers is None:
-            return list(tensors)
+            return Pending.done(tensor)
+        part = self._slice(tensor)
+        wire = self._cross("all_reduce", nbytes(part))
+        with collective("merge all-reduce"):
+            work = dist.all_reduce(part, group=self._peers, async_op=True)
+        return Pending([_Labelled(work, "merge all-reduce")],
+                       lambda: self._joined(part, tensor.numel()).view_as(tensor), self._delivery(wire))
+
+    def _start_gather(self, tensors: list[torch.Tensor]) -> Pending[list[torch.Tensor]]:
+        if self._peers is None:
+            return Pending.done(list(tensors))
         local = torch.stack(tensors)
+        part = self._slice(local)
+        wire = self._cross("all_gather", nbytes(part))
+        blocks = [torch.empty_like(part) for _ in range(self._layout.islands)]
+        with collective("merge all-gather"):
+            work = dist.all_gather(blocks, part, group=self._peers, async_op=True)
 
-        def all_gather(part: torch.Tensor) -> torch.Tensor:
-            blocks = [torch.empty_like(part) for _ in range(self._layout.islands)]
-            dist.all_gather(blocks, part, group=self._peers)
-            return torch.stack(blocks)
+        def finish() -> list[torch.Tensor]:
+            # Island i's block holds its workers' tensors, so the rows come in global worker order.
+            gathered = self._joined(torch.stack(blocks), local.numel())
+            return list(gathered.reshape(-1, *local.shape[1:]).unbind(0))
 
-        # Island i's block holds its workers' tensors, so the rows come in global worker order.
-        gathered = self._across_islands(local, all_gather, "all_gather", "merge all-gather")
-        return list(gathered.reshape(-1, *local.shape[1:]).unbind(0))
+        return Pending([_Labelled(work, "merge all-gather")], finish, self._delivery(wire))
 
-    def _across_islands(self, tensor: torch.Tensor, exchange: Callable[[torch.Tensor], torch.Tensor],
-                        kind: str, what: str) -> torch.Tensor:
-        """`exchange` (a collective of `kind` over the peer group) of this process's slice of
-        `tensor` flattened, then the island's slices joined: a tensor of shape
-        (..., tensor.numel()), the leading dimensions being those `exchange` adds. May write
-        into `tensor`."""
+    def exchange(self, send: torch.Tensor, send_sizes: list[int], receive_sizes: list[int]) -> Pending[list[torch.Tensor]]:
+        received = torch.empty(sum(receive_sizes), dtype=send.dtype, device=send.device)
+        wire = self._cross("all_to_all", nbytes(send) - send_sizes[self.island] * send.element_size(),
+                           handed=nbytes(send))
+        with collective("compressed-sum all-to-all"):
+            work = dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=self._peers,
+                                          async_op=True)
+        return Pending([_Labelled(work, "compressed-sum all-to-all")],
+                       lambda: list(torch.split(received, receive_sizes)), self._delivery(wire))
+
+    def gather_peers(self, blob: torch.Tensor) -> Pending[list[torch.Tensor]]:
+        wire = self._cross("all_gather", nbytes(blob))
+        blocks = [torch.empty_like(blob) for _ in range(self._layout.islands)]
+        with collective("compressed-sum all-gather"):
+            work = dist.all_gather(blocks, blob, group=self._peers, async_op=True)
+        return Pending([_Labelled(work, "compressed-sum all-gather")], lambda: blocks, self._delivery(wire))
+
+    def join_island(self, part: torch.Tensor) -> Pending[list[torch.Tensor]]:
+        if self._slices == 1:
+            return Pending.done([part])
+        self.record("in_island", nbytes(part), wire_bytes("all_gather", nbytes(part), self._slices))
+        blocks = [torch.empty_like(part) for _ in range(self._slices)]
+        with collective("island all-gather"):
+            work = dist.all_gather(blocks, part, group=self._island, async_op=True)
+        return Pending([_Labelled(work, "island all-gather")], lambda: blocks)
+
+    def _slice(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This process's slice of `tensor` flattened (equal slices, the last zero-padded), so
+        that the island's all-gather can join them."""
         flat = tensor.reshape(-1)
         width = -(-flat.numel() // self._slices)
         if self._slices > 1:
-            # Equal slices, so the island's all-gather can join them; the padding is zeros.
             flat = torch.nn.functional.pad(flat, (0, width * self._slices - flat.numel()))
-        part = flat[self._slot * width:(self._slot + 1) * width]
-        wire = wire_bytes(kind, nbytes(part), self._layout.islands)
-        self.record("cross_island", nbytes(part), wire)
-        with collective(what):
-            exchanged = exchange(part)
-            if self._link is not None:
-                time.sleep(self._link.seconds(wire))
-            if self._slices == 1:
-                return exchanged
-            self.record("in_island", nbytes(exchanged), wire_bytes("all_gather", nbytes(exchanged), self._slices))
-            blocks = [torch.empty_like(exchanged) for _ in range(self._slices)]
-            dist.all_gather(blocks, exchanged, group=self._island)
-        return torch.cat(blocks, dim=-1)[..., :tensor.numel()]
+        return flat[self._slot * width:(self._slot + 1) * width]
 
-    def shard_map(self, fn: Callable[[torch.Tensor], torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _joined(self, exchanged: torch.Tensor, numel: int) -> torch.Tensor:
+        """The island's slices of a cross-island result joined over its fast link: shape
+        (..., numel), the leading dimensions being those the exchange added."""
+        if self._slices == 1:
+            return exchanged
+        self.record("in_island", nbytes(exchanged), wire_bytes("all_gather", nbytes(exchanged), self._slices))
+        blocks = [torch.empty_like(exchanged) for _ in range(self._slices)]
+        with collective("island all-gather"):
+            dist.all_gather(blocks, exchanged, group=self._island)
+        return torch.cat(blocks, dim=-1)[..., :numel]
+
+    def _cross(self, kind: str, size: int, handed: int | None = None) -> float:
+        """Count one collective of `kind` across islands sending `size` bytes (`handed` given
+        to it, by default `size`); returns its wire bytes."""
+        wire = wire_bytes(kind, size, self._layout.islands)
+        self.record("cross_island", size if handed is None else handed, wire)
+        return wire
+
+    def _delivery(self, wire: float) -> float:
+        """When an emulated slow link delivers a collective of `wire` bytes started now (0: no emulation)."""
+        return self._link.deliver_at(wire) if self._link is not None else 0.0
+
+    def shard_map_async(self, fn: Callable[[torch.Tensor], torch.Tensor],
+                        tensors: list[torch.Tensor]) -> Pending[list[torch.Tensor]]:
         # Shared out inside the island only, over its fast link: across islands every island
         # computes its own, so no result crosses the slow link. An island of one process has
         # nobody to share with.
         if self._island is None:
-            return [fn(tensor) for tensor in tensors]
+            return Pending.done([fn(tensor) for tensor in tensors])
         ranks = self._layout.island_ranks(self._layout.island)
         owners = [ranks[owner] for owner in assign_owners([_orthogonalisation_cost(t) for t in tensors], len(ranks))]
         results, handed = [], 0
@@ -336,11 +401,20 @@ class TorchCommunicator(Communicator):
         # Every process joins every broadcast; the owner sends its results to the others.
         self.record("in_island", handed, wire_bytes("broadcast", handed, len(ranks)), calls=len(results))
         with collective("broadcast of orthogonalised matrices"):
-            pending = [dist.broadcast(result, src=owner, group=self._island, async_op=True)
-                       for owner, result in zip(owners, results)]
-            for work in pending:
-                work.wait()
-        return results
+            works = [dist.broadcast(result, src=owner, group=self._island, async_op=True)
+                     for owner, result in zip(owners, results)]
+        return Pending([_Labelled(work, "broadcast of orthogonalised matrices") for work in works], lambda: results)
+
+
+class _Labelled:
+    """A torch.distributed `Work` whose failure says which collective it was (`collective`)."""
+
+    def __init__(self, work: Any, what: str) -> None:
+        self._work, self._what = work, what
+
+    def wait(self) -> None:
+        with collective(self._what):
+            self._work.wait()
 
 
 #: Gradients at least this large are all-reduced in place; smaller ones share buckets of it.
@@ -449,27 +523,23 @@ class Distributed:
         world_size, rank = (dist.get_world_size(), dist.get_rank()) if joined else (1, 0)
         self.layout = ProcessLayout.for_run(cfg, world_size, rank)
         self._island: dist.ProcessGroup | None = None
+        #: The processes as a DeviceMesh (`MESH_DIMS`); None in one process.
+        self.mesh: DeviceMesh | None = None
         #: This process's peer group (process j of every island); None with one island.
         self.peers: dist.ProcessGroup | None = None
         self.comm: Communicator = LocalCommunicator(self.layout.workers)
         if world_size > 1:
             layout = self.layout
             with collective("process group creation"):
-                if layout.group_size == world_size:
-                    self._island = dist.group.WORLD
-                elif layout.group_size > 1:
-                    self._island, _ = dist.new_subgroups_by_enumeration(
-                        [layout.island_ranks(i) for i in range(layout.islands)])
-                if layout.islands > 1:
-                    self.peers, _ = dist.new_subgroups_by_enumeration(
-                        [layout.peer_ranks(j) for j in range(layout.group_size)])
-                merge_island = self._island
-                if cfg.outer.overlap_steps and self._island is not None:
-                    # The merge then runs beside training's gradient all-reduces and metrics:
-                    # a group of its own keeps the two orders of collectives apart.
-                    merge_island, _ = dist.new_subgroups_by_enumeration(
-                        [layout.island_ranks(i) for i in range(layout.islands)])
-            self.comm = TorchCommunicator(layout, self.peers, merge_island, cfg.dist.link())
+                # Ranks i·G .. i·G + G − 1 form island i: the mesh's rows are islands, its columns
+                # the peer groups that cross the slow link.
+                self.mesh = init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu",
+                                             (layout.islands, layout.group_size), mesh_dim_names=MESH_DIMS)
+            if layout.group_size > 1:
+                self._island = self.mesh.get_group("island")
+            if layout.islands > 1:
+                self.peers = self.mesh.get_group("islands")
+            self.comm = TorchCommunicator(layout, self.peers, self._island, cfg.dist.link())
         # Small collectives (metrics, flags, objects) run where the backend wants tensors.
         self._device = torch.device("cpu")
         if joined and dist.get_backend() == "nccl":

@@ -10,9 +10,12 @@ The rules themselves are pure phases (`isoloco.rules`); this module runs them ag
 * **Buckets.** Parameters are packed, in order, into buckets of about `merge.bucket_mb`;
   each phase of a bucket is one collective for all its parameters (a sum buffer or each
   worker's factors, laid end to end), and one finiteness check covers the whole bucket.
-* **Compression.** With `merge.quantize`, a sum of the workers' deltas (the mean and Iso-C)
-  crosses the link as each worker's quantised delta (plus its error-feedback residual), and
-  every process dequantises and adds them in worker order (`isoloco.quantize`).
+* **Compression.** With `merge.quantize`, a sum phase crosses the link as each island's
+  encoded sum, with bytes per process flat in R and P (`isoloco.sync.compressed`); the codec
+  decides which rules it can carry (`isoloco.sync.codec.carry_refusal`).
+* **Stages.** A merge is steps (`isoloco.sync.handles`): each stage starts its collectives,
+  and waits for them only when resumed, so an overlapped synchronisation runs its stages
+  between inner steps, from the main thread, in one order on every rank.
 * **Finalize, batched and shared.** A rule's pure last step (Iso-C's orthogonalisation)
   runs after every collective, on stacks of same-shape matrices, shared out among processes
   by `Communicator.shard_map`. The stacks do not depend on the process layout, so every
@@ -33,20 +36,18 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from isoloco.comm import Communicator, LocalCommunicator, buckets, nbytes
+from isoloco.comm import Communicator, LocalCommunicator, nbytes
 from isoloco.configbase import check_at_least, check_choices, check_positive, check_range, option
 from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.ortho import (FACTOR_METHODS, FINDER_DTYPES, NS_DTYPES, POLAR_METHODS, SCALE_METHODS, FactorSettings,
                            IsoSettings, spectrum_knob_problem)
-from isoloco.quantize import (FORMATS, SCALE_GROUPS, Quantization, Wire, compress_with_feedback, dequantize,
-                              quantize, wire_nbytes)
 from isoloco.rules import RULES, Knobs, Phase, WorkerSlot, mask_key, mean_phases
+from isoloco.sync.codec import FORMATS, SCALE_GROUPS, Quantization, carry_refusal, wire_nbytes
+from isoloco.sync.compressed import choose_route, distributed_sum, reference_sum
+from isoloco.sync.handles import Pending, Steps, Sync, lockstep, run_to_end
+from isoloco.sync.plan import buckets
 
 Fetch = Callable[[torch.Tensor], torch.Tensor]
-
-#: The rules whose one collective sums the workers' pseudo-gradients themselves, which can
-#: therefore travel compressed (`merge.quantize`).
-COMPRESSIBLE_RULES = ("mean", "iso_c")
 
 
 # ------------------------------------------------------------------------- configuration
@@ -94,14 +95,15 @@ class MergeConfig:
         "run in float32): auto (bfloat16 on CUDA GPUs of compute capability 8.0 or later, else float32; recorded "
         "as merge_finder_dtype in summary.json and metrics.jsonl), bfloat16 or float32", choices=FINDER_DTYPES)
     quantize: str = option(
-        "none", "what crosses the slow link: each worker's pseudo-gradient as float32 (none), or compressed to "
-                "bfloat16, int8 or int4 codes with absmax scales (mean and Iso-C rules only)", choices=FORMATS)
+        "none", "what crosses the slow link: each island's sum of its workers' contributions as float32 (none), or "
+                "compressed to bfloat16, int8 or int4 codes with absmax scales (rules whose collectives are sums: "
+                "mean, Iso-C, DARE)", choices=FORMATS)
     quantize_scales: str = option("block", "merge.quantize=int8/int4: one scale per block of entries or per "
                                            "matrix row", choices=SCALE_GROUPS)
     quantize_block: int = option(256, "merge.quantize_scales=block: entries per scale (4 bytes each)")
     error_feedback: bool = option(
-        False, "with merge.quantize: each worker keeps what compression lost and adds it to its next pseudo-gradient "
-               "(checkpointed with the worker)")
+        False, "with merge.quantize: each island keeps what compression lost and adds it to its next sum (in the "
+               "simulator every worker is an island; checkpointed with the island's first worker)")
     bucket_mb: float = option(
         64.0, "parameters are merged in buckets of about this many MiB: one collective per bucket and phase, "
               "one finiteness check per bucket")
@@ -127,11 +129,10 @@ class MergeConfig:
         if self.error_feedback and self.quantize == "none":
             raise ConfigError("merge.error_feedback=true is not allowed with merge.quantize=none: there is no "
                               "compression error to feed back; set merge.quantize=bf16, int8 or int4")
-        if self.quantize != "none" and self.rule not in COMPRESSIBLE_RULES:
-            raise ConfigError(
-                f"merge.quantize={self.quantize} is not allowed with merge.rule={self.rule}: only the rules whose one "
-                f"collective is the sum of the workers' pseudo-gradients ({', '.join(COMPRESSIBLE_RULES)}) send them "
-                f"compressed; use merge.quantize=none")
+        # The phases of a typical matrix: a small one may skip a rule's gather (Iso-CTS's residuals).
+        refusal = carry_refusal(self.quantization, RULES[self.rule].phases((256, 256), 2, self.knobs), self.rule)
+        if refusal:
+            raise ConfigError(refusal)
         if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
             raise ConfigError(
                 f"merge.exclude={self.exclude!r} is not allowed: it must be a list of name patterns, "
@@ -227,31 +228,46 @@ class Merger:
         self._knobs = cfg.knobs
         self._rule = RULES[cfg.rule]
 
-    def merge_all(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None = None,
-                  fetch: Fetch | None = None,
-                  residuals: Mapping[str, Sequence[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
-        """Merge every parameter (`local_deltas[name]`: one delta per local worker, in order)
-        across all R workers, bucket by bucket in the mapping's order (the same on every
-        process), then the finalize steps, batched and shared out among processes.
+    def start(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None = None,
+              fetch: Fetch | None = None, residuals: Mapping[str, Sequence[torch.Tensor]] | None = None,
+              finalize: bool = True) -> Sync[dict[str, torch.Tensor]]:
+        """The merge of every parameter (`local_deltas[name]`: one delta per local worker, in
+        order) across all R workers, as steps that start each stage's collectives and wait for
+        them when resumed (`isoloco.sync.handles`); `merge_all` runs them at once.
 
+        Stages are phase-major: phase k of every bucket starts before any bucket's phase k is
+        waited for, then the finalize steps run batched and shared out among processes.
         `fetch` brings a stored delta to where the merge computes; it is called for one delta
         at a time, once per phase, and the fetched copy is dropped before the next. `round`
         names the synchronisation in errors and keys DARE's masks (None counts as 0).
 
-        With `merge.quantize`, each worker's delta crosses the link compressed; `residuals`
-        (with `merge.error_feedback`: one per parameter and local worker, like the deltas)
-        hold what earlier compressions lost and are updated in place."""
+        With `merge.quantize`, a sum crosses the link compressed (`isoloco.sync.compressed`);
+        `residuals` (with `merge.error_feedback`: one per parameter and local worker, like the
+        deltas) hold what earlier compressions lost and are updated in place."""
         if self.cfg.error_feedback and residuals is None:
             raise ValueError("merge.error_feedback needs the workers' residuals: pass residuals=")
-        return self._merge(local_deltas, round, fetch, finalize=True, residuals=residuals)
+        jobs = self._jobs(local_deltas, residuals if self.cfg.error_feedback else None)
+        limit = int(self.cfg.bucket_mb * 2**20)
+        plan = [[jobs[i] for i in bucket]
+                for bucket in buckets([(nbytes(job.deltas[0]), job.deltas[0].dtype) for job in jobs], limit)]
+        stages = self._stages(plan)
+        finalizing = finalize and any(job.finalize is not None for job in jobs)
+        steps = self._steps(jobs, plan, stages, round, fetch, limit if finalizing else None)
+        return Sync(steps, sum(self._yields(kind) for _, kind in stages) + finalizing)
+
+    def merge_all(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None = None,
+                  fetch: Fetch | None = None,
+                  residuals: Mapping[str, Sequence[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+        """`start`'s merge, run to the end."""
+        return run_to_end(self.start(local_deltas, round, fetch, residuals).steps)
 
     def merge(self, name: str, local_deltas: Sequence[torch.Tensor], round: int | None = None) -> torch.Tensor:
-        """Merge one parameter's local deltas (see `merge_all`)."""
-        return self._merge({name: local_deltas}, round, None, finalize=True)[name]
+        """Merge one parameter's local deltas (see `start`)."""
+        return self.merge_all({name: local_deltas}, round)[name]
 
     def aggregate(self, name: str, local_deltas: Sequence[torch.Tensor], round: int | None = None) -> torch.Tensor:
         """The collective part of the merge of one parameter: its rule's phases, without finalize."""
-        return self._merge({name: local_deltas}, round, None, finalize=False)[name]
+        return run_to_end(self.start({name: local_deltas}, round, finalize=False).steps)[name]
 
     def finalize(self, name: str, aggregated: torch.Tensor) -> torch.Tensor:
         """The pure, per-tensor rest of the merge of `name` (any one process may run it)."""
@@ -260,25 +276,52 @@ class Merger:
 
     # --------------------------------------------------------------------------- internals
 
-    def _merge(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None, fetch: Fetch | None,
-               finalize: bool, residuals: Mapping[str, Sequence[torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
-        jobs = self._jobs(local_deltas, residuals if self.cfg.error_feedback else None)
-        merged: dict[str, torch.Tensor] = {}
-        limit = int(self.cfg.bucket_mb * 2**20)
-        for bucket in buckets([(nbytes(job.deltas[0]), job.deltas[0].dtype) for job in jobs], limit):
-            chosen = [jobs[i] for i in bucket]
-            bad = _first_non_finite([list(job.deltas) for job in chosen])
+    @property
+    def _compressed(self) -> bool:
+        return self.cfg.quantize != "none"
+
+    @property
+    def _simulated_islands(self) -> bool:
+        """Whether every worker lives here, so the simulator plays each one as an island of its own."""
+        return self.comm.islands == 1 and len(self.comm.local_worker_ids) == self.comm.num_workers
+
+    def _yields(self, kind: str) -> int:
+        """How many times a stage of `kind` waits for collectives."""
+        if kind != "sum" or not self._compressed:
+            return 1
+        if self._simulated_islands:
+            return 0
+        slices = self.comm.island_slices[0]
+        return (1 if choose_route(self.comm.islands) == "gather" else 2) + (slices > 1)
+
+    @staticmethod
+    def _stages(plan: list[list[_Job]]) -> list[tuple[int, str]]:
+        """(phase, collective) of every stage, in order: sums before gathers within a phase."""
+        depth = max((len(job.phases) for bucket in plan for job in bucket), default=0)
+        return [(phase, kind) for phase in range(depth) for kind in ("sum", "gather")
+                if any(len(job.phases) > phase and job.phases[phase].collective == kind
+                       for bucket in plan for job in bucket)]
+
+    def _steps(self, jobs: list[_Job], plan: list[list[_Job]], stages: list[tuple[int, str]], round: int | None,
+               fetch: Fetch | None, finalize_limit: int | None) -> Steps[dict[str, torch.Tensor]]:
+        for bucket in plan:
+            bad = _first_non_finite([list(job.deltas) for job in bucket])
             if bad is not None:
-                _raise_non_finite(chosen[bad[0]].name, self.comm.local_worker_ids[bad[1]], round)
-            for phase in range(max(len(job.phases) for job in chosen)):
-                active = [job for job in chosen if len(job.phases) > phase]
-                for collective in ("sum", "gather"):
-                    part = [job for job in active if job.phases[phase].collective == collective]
-                    if part:
-                        self._run_phase(part, phase, collective, round or 0, fetch)
-            merged.update((job.name, job.state) for job in chosen)
-        if finalize:
-            self._finalize(jobs, merged, limit)
+                _raise_non_finite(bucket[bad[0]].name, self.comm.local_worker_ids[bad[1]], round)
+        for phase, kind in stages:
+            parts = [[job for job in bucket if len(job.phases) > phase and job.phases[phase].collective == kind]
+                     for bucket in plan]
+            parts = [part for part in parts if part]
+            if kind == "sum" and self._compressed:
+                yield from lockstep([self._compressed_sum(part, phase, round or 0, fetch) for part in parts])
+            else:
+                started = [self._start_phase(part, phase, kind, round or 0, fetch) for part in parts]
+                yield [handle for handle, _ in started]
+                for part, (handle, offsets) in zip(parts, started):
+                    self._combine(part, phase, kind, handle.wait(), offsets)
+        merged = {job.name: job.state for job in jobs}
+        if finalize_limit is not None:
+            yield from self._finalize(jobs, merged, finalize_limit)
         return merged
 
     def _finalize_of(self, name: str, tensor: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -303,75 +346,89 @@ class Merger:
                              self._finalize_of(name, deltas[0]), memos=[{} for _ in workers]))
         return jobs
 
-    def _run_phase(self, jobs: list[_Job], phase: int, collective: str, round: int, fetch: Fetch | None) -> None:
-        """Every local worker's contribution to phase `phase` of `jobs`, one collective for all."""
-        if collective == "sum" and self.cfg.quantize != "none":
-            return self._run_compressed_sum(jobs, phase, fetch)
+    def _contributions(self, jobs: list[_Job], phase: int, round: int, fetch: Fetch | None,
+                       each: bool) -> list[torch.Tensor]:
+        """Every local worker's contribution to phase `phase` of `jobs`, laid end to end: one
+        buffer per worker (`each`), or their sum in worker order."""
         sizes = [math.prod(job.phases[phase].shape) for job in jobs]
         offsets = [0, *itertools.accumulate(sizes)][:-1]
-        workers = self.comm.local_worker_ids
-        # A sum phase accumulates into one buffer; a gather phase gives each worker its own.
         buffers: list[torch.Tensor] = []
-        for index, worker in enumerate(workers):
-            if collective == "gather" or index == 0:
+        for index, worker in enumerate(self.comm.local_worker_ids):
+            if each or index == 0:
                 buffers.append(None)
             for job, offset, size in zip(jobs, offsets, sizes):
                 delta = fetch(job.deltas[index]) if fetch else job.deltas[index]
                 if buffers[-1] is None:  # allocated where the deltas are fetched to
                     buffers[-1] = torch.empty(sum(sizes), dtype=delta.dtype, device=delta.device)
                 target = buffers[-1][offset:offset + size].view(job.phases[phase].shape)
-                first = collective == "gather" or index == 0
-                slot = WorkerSlot(worker, first, mask_key(self.seed, worker, round, job.name), job.memos[index])
+                slot = WorkerSlot(worker, each or index == 0, mask_key(self.seed, worker, round, job.name),
+                                  job.memos[index])
                 job.phases[phase].contribute(target, delta, slot, job.state)
                 del delta  # the fetched copy goes before the next one comes
-        if collective == "sum":
-            total = self.comm.sum(buffers[0])
-            for job, offset, size in zip(jobs, offsets, sizes):
-                shape = job.phases[phase].shape
-                job.state = job.phases[phase].combine(total[offset:offset + size].view(shape), job.state)
-        else:
-            gathered = self.comm.gather(buffers)
-            for job, offset, size in zip(jobs, offsets, sizes):
-                shape = job.phases[phase].shape
-                stacked = torch.stack([flat[offset:offset + size].view(shape) for flat in gathered])
+        return buffers
+
+    def _start_phase(self, jobs: list[_Job], phase: int, collective: str, round: int,
+                     fetch: Fetch | None) -> tuple[Pending, list[int]]:
+        """Start phase `phase` of `jobs`: one collective for all; returns its handle and the
+        offsets of the jobs in its buffer."""
+        buffers = self._contributions(jobs, phase, round, fetch, each=collective == "gather")
+        sizes = [math.prod(job.phases[phase].shape) for job in jobs]
+        offsets = [0, *itertools.accumulate(sizes)][:-1]
+        handle = self.comm.sum_async(buffers[0]) if collective == "sum" else self.comm.gather_async(buffers)
+        return handle, offsets
+
+    @staticmethod
+    def _combine(jobs: list[_Job], phase: int, collective: str, result: Any, offsets: list[int]) -> None:
+        for job, offset in zip(jobs, offsets):
+            shape = job.phases[phase].shape
+            size = math.prod(shape)
+            if collective == "sum":
+                job.state = job.phases[phase].combine(result[offset:offset + size].view(shape), job.state)
+            else:
+                stacked = torch.stack([flat[offset:offset + size].view(shape) for flat in result])
                 job.state = job.phases[phase].combine(stacked, job.state)
 
-    def _run_compressed_sum(self, jobs: list[_Job], phase: int, fetch: Fetch | None) -> None:
-        """A sum of the workers' deltas that crosses the link compressed: each local worker's
-        deltas (plus its residual, with error feedback) are quantised and packed, one all-gather
-        carries every worker's packed bytes, and every process dequantises them and adds them
-        up in worker order, so each layout computes the same sum as one process would."""
+    def _compressed_sum(self, jobs: list[_Job], phase: int, round: int,
+                        fetch: Fetch | None) -> Steps[None]:
+        """A sum phase of `jobs` that crosses the link compressed (`isoloco.sync.compressed`).
+        The simulator plays every worker as an island; a process of a distributed run is (a
+        slice of) one island, whose workers' contributions are added up first."""
         quantization = self.cfg.quantization
-        shapes = [job.deltas[0].shape for job in jobs]
-        wires = [wire_nbytes(math.prod(shape), quantization, quantization.group_size(shape)) for shape in shapes]
-        sizes = [_aligned(size) for size in wires]
-        offsets = [0, *itertools.accumulate(sizes)][:-1]
-        packed = []
-        for index in range(len(self.comm.local_worker_ids)):
-            parts = []
-            for job, size in zip(jobs, sizes):
-                delta = fetch(job.deltas[index]) if fetch else job.deltas[index]
-                if job.residuals is None:
-                    wire = quantize(delta, quantization)
-                else:
-                    stored = job.residuals[index]
-                    residual = fetch(stored) if fetch else stored
-                    wire, residual = compress_with_feedback(delta, residual, quantization)
-                    if residual is not stored:
-                        stored.copy_(residual)
-                raw = wire.as_bytes()
-                parts.append(torch.nn.functional.pad(raw, (0, size - raw.numel())))
-                del delta, wire
-            packed.append(torch.cat(parts))
-        gathered = self.comm.gather(packed)
-        for job, offset, size, shape in zip(jobs, offsets, wires, shapes):
-            total = None
-            for flat in gathered:  # in global worker order
-                sent = dequantize(Wire.from_bytes(flat[offset:offset + size], quantization, shape))
-                total = sent if total is None else total.add_(sent)
+        shapes = [job.phases[phase].shape for job in jobs]
+        self.comm.bytes_sent_per_worker += sum(
+            wire_nbytes(math.prod(shape), quantization, quantization.group_size(shape)) for shape in shapes)
+        stored = [job.residuals for job in jobs] if jobs[0].residuals is not None else None
+        if self._simulated_islands:
+            buffers = self._contributions(jobs, phase, round, fetch, each=True)
+            route = choose_route(len(buffers))
+            for index, job in enumerate(jobs):
+                size, offset = math.prod(shapes[index]), sum(math.prod(s) for s in shapes[:index])
+                inputs = [buffer[offset:offset + size].view(shapes[index]) for buffer in buffers]
+                residuals = None if stored is None else [fetch(r) if fetch else r for r in stored[index]]
+                total = reference_sum(inputs, quantization, route, residuals)
+                if residuals is not None:
+                    for kept, residual in zip(stored[index], residuals):
+                        if kept is not residual:
+                            kept.copy_(residual)
+                job.state = job.phases[phase].combine(total.to(job.deltas[0].dtype), job.state)
+            return
+        if self.comm.islands == 1:
+            raise ConfigError(f"merge.quantize={self.cfg.quantize} needs isoloco's own process groups: "
+                              f"{type(self.comm).__name__} carries float32 sums only; use merge.quantize=none")
+        (buffer,) = self._contributions(jobs, phase, round, fetch, each=False)
+        sizes = [math.prod(shape) for shape in shapes]
+        inputs = [part.view(shape) for part, shape in zip(torch.split(buffer, sizes), shapes)]
+        # The island's residual lives with its first worker (the others' stay zero).
+        residuals = None if stored is None else [fetch(r[0]) if fetch else r[0] for r in stored]
+        totals = yield from distributed_sum(self.comm, inputs, quantization, residuals)
+        if residuals is not None:
+            for kept, residual in zip(stored, residuals):
+                if kept[0] is not residual:
+                    kept[0].copy_(residual)
+        for job, total in zip(jobs, totals):
             job.state = job.phases[phase].combine(total.to(job.deltas[0].dtype), job.state)
 
-    def _finalize(self, jobs: list[_Job], merged: dict[str, torch.Tensor], limit: int) -> None:
+    def _finalize(self, jobs: list[_Job], merged: dict[str, torch.Tensor], limit: int) -> Steps[None]:
         """Run the pure finalize steps on stacks of same-shape matrices of at most `limit`
         bytes (at least one matrix), which `shard_map` shares out among processes."""
         pending = [job for job in jobs if job.finalize is not None]
@@ -382,19 +439,14 @@ class Merger:
         for group in groups.values():
             sizes = [(nbytes(merged[job.name]), merged[job.name].dtype) for job in group]
             stacks += [[group[i] for i in bucket] for bucket in buckets(sizes, limit)]
-        if not stacks:
-            return
         finalize = pending[0].finalize  # one rule: every job finalizes alike
         # A stack of one stays a matrix: its numbers are then those of the unbatched finalize.
         inputs = [merged[stack[0].name] if len(stack) == 1 else torch.stack([merged[job.name] for job in stack])
                   for stack in stacks]
-        for stack, result in zip(stacks, self.comm.shard_map(finalize, inputs)):
+        handle = self.comm.shard_map_async(finalize, inputs)
+        yield [handle]
+        for stack, result in zip(stacks, handle.wait()):
             merged.update(zip((job.name for job in stack), [result] if len(stack) == 1 else result.unbind(0)))
-
-
-def _aligned(size: int) -> int:
-    """`size` rounded up to a multiple of 4 bytes: packed wires stay aligned for their float32 scales."""
-    return -(-size // 4) * 4
 
 
 # --------------------------------------------------- peft-style functions, one per rule

@@ -97,9 +97,8 @@ def full_float32_matmuls() -> Iterator[None]:
     (TF32 on a GPU, bfloat16 passes on a CPU), so a merge computes the same numbers under any
     host; the settings are restored after.
 
-    torch's settings are process-wide: nested and concurrent pins (a merge on the overlap
-    thread) restore them when the last one ends, and meanwhile every float32 matmul of the
-    process runs at full precision too: slower, never less precise (training's matmuls under
+    torch's settings are process-wide: nested and concurrent pins restore them when the last
+    one ends, and meanwhile every float32 matmul of the process runs at full precision too: slower, never less precise (training's matmuls under
     bfloat16 autocast are not float32 ones)."""
     global _pin_count
     with _pinned_lock:

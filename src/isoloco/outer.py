@@ -24,6 +24,7 @@ from isoloco.errors import ConfigError
 from isoloco.merge import MergeConfig, Merger
 from isoloco.ortho import IsoSettings, iso_correct
 from isoloco.spectra import SpectraProbe
+from isoloco.sync.handles import Steps, Sync, run_to_end
 
 PLACEMENTS = ("gradient", "update")
 
@@ -240,13 +241,21 @@ class OuterStep:
              fetch: Callable[[torch.Tensor], torch.Tensor] | None = None,
              workers: list[int] | None = None,
              residuals: Mapping[str, Sequence[torch.Tensor]] | None = None) -> None:
-        """One outer step. `local_deltas[name]` holds θ − θ_r for each local worker r, in the
+        """One outer step, run at once (see `start`)."""
+        run_to_end(self.start(local_deltas, round, fetch, workers, residuals).steps)
+
+    def start(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int,
+              fetch: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              workers: list[int] | None = None,
+              residuals: Mapping[str, Sequence[torch.Tensor]] | None = None) -> Sync[None]:
+        """One outer step as steps (`isoloco.sync.handles`): the merge's stages, then the
+        optimizer step on θ. `local_deltas[name]` holds θ − θ_r for each local worker r, in the
         communicator's order; the deltas are only read, so the caller may reuse their storage
-        afterwards. `fetch` brings stored deltas to the compute device, one parameter at a time
-        (see `Merger.merge_all`). `workers`: the global ids of the workers whose deltas these
-        are, when not all of this process's (a round that dropped a diverged worker; in one
-        process only), so the merge averages over them alone. `residuals`: the workers'
-        error-feedback residuals, like the deltas (see `Merger.merge_all`)."""
+        once the steps have ended. `fetch` brings stored deltas to the compute device, one
+        parameter at a time (see `Merger.start`). `workers`: the global ids of the workers whose
+        deltas these are, when not all of this process's (a round that dropped a diverged
+        worker; in one process only), so the merge averages over them alone. `residuals`: the
+        workers' error-feedback residuals, like the deltas (see `Merger.start`)."""
         if set(local_deltas) != set(self._params):
             missing = sorted(set(self._params) - set(local_deltas))
             unexpected = sorted(set(local_deltas) - set(self._params))
@@ -254,8 +263,13 @@ class OuterStep:
                 f"local_deltas must hold one entry per parameter; missing {missing}, unexpected {unexpected}"
             )
         merger = self._merger_of(workers)
-        merged_all = merger.merge_all({name: local_deltas[name] for name, _ in self.named_params}, round, fetch,
-                                      residuals)
+        merge = merger.start({name: local_deltas[name] for name, _ in self.named_params}, round, fetch, residuals)
+        return Sync(self._apply(merger, merge.steps, local_deltas, fetch), merge.stages)
+
+    def _apply(self, merger: Merger, merge: Steps[dict[str, torch.Tensor]],
+               local_deltas: Mapping[str, Sequence[torch.Tensor]],
+               fetch: Callable[[torch.Tensor], torch.Tensor] | None) -> Steps[None]:
+        merged_all = yield from merge
         if merger is not self.merger:  # the round's bytes are counted with the run's
             self.comm.bytes_sent_per_worker += merger.comm.reset_bytes()
         for name, param in self.named_params:

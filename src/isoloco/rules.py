@@ -26,7 +26,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from isoloco.ortho import FactorSettings, IsoSettings, iso_correct, top_factors
+from isoloco.ortho import FactorSettings, IsoSettings, full_float32_matmuls, iso_correct, top_factors
 
 
 @dataclasses.dataclass
@@ -48,6 +48,7 @@ class Phase:
     shape: tuple[int, ...]
     contribute: Callable[[torch.Tensor, torch.Tensor, WorkerSlot, Any], None]  # (buffer, delta, slot, state)
     combine: Callable[[torch.Tensor, Any], Any]  # (sum, or workers' buffers stacked in id order; state) -> state
+    exact: bool = False  # a sum whose terms must arrive unrounded (counts): no lossy codec may carry it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +125,7 @@ def ties_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]:
         _put(buffer[1], agrees, slot)
 
     return [Phase("sum", tuple(shape), trimmed_sum, lambda total, state: total >= 0),
-            Phase("sum", (2, *shape), agreeing, lambda totals, state: totals[0] / totals[1].clamp_min(1))]
+            Phase("sum", (2, *shape), agreeing, lambda totals, state: totals[0] / totals[1].clamp_min(1), exact=True)]
 
 
 # ------------------------------------------------------------------------------ DARE
@@ -206,7 +207,8 @@ def _unpack(stacked: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tenso
 def _assemble(u_polar: torch.Tensor, s: torch.Tensor, v_polar: torch.Tensor) -> torch.Tensor:
     """U⊥ diag(s) V⊥ᵀ from the stacked singular vectors' polar factors; `s` is one value per
     column, or one for all."""
-    return (u_polar * s) @ v_polar.mT
+    with full_float32_matmuls():
+        return (u_polar * s) @ v_polar.mT
 
 
 def tsv_components(rank: int, workers: int) -> int:

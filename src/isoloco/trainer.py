@@ -194,6 +194,9 @@ class Trainer:
     def save(self, metrics_offset: int) -> Path:
         """Checkpoint at a round boundary. Rank 0 writes θ and the outer state, which every
         process holds alike; the first process of each island its workers' state."""
+        # Every process lands a synchronisation in flight here, in step, before anything is written.
+        self.algorithm.settle()
+        period = self.algorithm.period_state()
         names = [n for n, _ in self.named_params]
         files: dict[str, dict[str, torch.Tensor]] = {}
         scalars: dict[str, Any] = {}
@@ -218,6 +221,7 @@ class Trainer:
             "last_val_loss": self.last_val_loss,
             "layout": self.dist.layout.describe(),
             "config": to_dict(self.cfg),
+            "sync_period": period,
             FINDER_DTYPE_KEY: self.finder_dtype,
         }
         return sharded_checkpoint.save(self.dist, self._checkpoint_dir(), self.step, files, scalars, state,
@@ -265,6 +269,8 @@ class Trainer:
         self.cross_island_wire_bytes = state.get("cross_island_wire_bytes", 0.0)
         self.exposed_sync_s = state.get("exposed_sync_s", 0.0)
         self.last_val_loss = state["last_val_loss"]
+        if state.get("sync_period"):  # absent from checkpoints of older versions
+            self.algorithm.load_period_state(state["sync_period"])
         earlier = state.get(FINDER_DTYPE_KEY)
         if earlier and self.finder_dtype and earlier != self.finder_dtype and self.dist.is_main:
             logger.warning("the merge's range finder ran its early iterations in %s before this resume and runs them "
@@ -326,6 +332,7 @@ class Trainer:
                     raise StopRequested(signum, end)
         finally:
             stop.restore()
+            self.algorithm.close()
             self.bar.close()
             log.close()
         return self.summary()

@@ -28,7 +28,8 @@ import torch.multiprocessing as mp
 
 from isoloco.bench.table import Table, megabytes, ratio
 from isoloco.bench.workload import RULE_METHODS, method_sections, parameter_shapes, worker_deltas
-from isoloco.comm import LINK_COUNTS, Communicator, wire_bytes
+from isoloco.comm import LINK_COUNTS, Communicator
+from isoloco.sync.cost import wire_bytes
 from isoloco.config import resolve
 from isoloco.distributed import Distributed, TorchCommunicator, process_group
 from isoloco.launch import free_port
@@ -41,7 +42,8 @@ QUICK = {"presets": ("tiny",), "workers": (2, 8)}
 LINK_PRESET, LINK_PROCESSES, ISLAND_SIZES = "tiny", 8, (1, 2, 4)
 
 
-def _run_config(preset: str, workers: int, gpus_per_worker: int = 1) -> dict:
+def job_config(preset: str, workers: int, gpus_per_worker: int = 1) -> dict:
+    """The config of a merge-only job (the benchmark's processes train nothing)."""
     return {"model": preset, "workers": workers, "global_batch": workers * gpus_per_worker,
             "gpus_per_worker": gpus_per_worker, "device": "cpu", "dist.backend": "gloo", "dist.timeout_s": 300}
 
@@ -77,9 +79,9 @@ def _count_bytes(rank: int, world_size: int, port: int, preset: str, workers_lis
     join_job(rank, world_size, port)
     shapes = parameter_shapes(preset)
     counts: dict[str, dict[str, int]] = {}
-    with process_group(resolve(None, _run_config(preset, workers_list[0]))):
+    with process_group(resolve(None, job_config(preset, workers_list[0]))):
         for workers in workers_list:
-            comm = Distributed(resolve(None, _run_config(preset, workers))).comm
+            comm = Distributed(resolve(None, job_config(preset, workers))).comm
             deltas = worker_deltas(shapes, workers)
             counts[str(workers)] = {}
             for method in methods:
@@ -107,9 +109,9 @@ def _count_link_bytes(rank: int, world_size: int, port: int, preset: str, island
     shapes = parameter_shapes(preset)
     deltas = worker_deltas(shapes, world_size)
     counts: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
-    with process_group(resolve(None, _run_config(preset, world_size))):
+    with process_group(resolve(None, job_config(preset, world_size))):
         for size in island_sizes:
-            run = Distributed(resolve(None, _run_config(preset, world_size, size)))
+            run = Distributed(resolve(None, job_config(preset, world_size, size)))
             unsplit = TorchCommunicator(run.layout, run.peers, island=None)
             counts[str(size)] = {}
             for when, comm in (("before", unsplit), ("after", run.comm)):

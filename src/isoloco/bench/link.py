@@ -14,9 +14,16 @@ tensor a collective of its own; bucketed: the default), `merge.quantize` and
 over the steady rounds (the first, which starts the processes' caches, and the last, whose
 synchronisation has no next round to overlap with, are left out).
 
-A second table measures what overlap hides on the `quick` preset's run (the tiny model, H = 30)
+Two tables take the link to many islands. One counts the cross-island wire bytes of one
+synchronisation per process for P = 2, 4 and 8 islands (one gloo process each) and R up to 32
+workers, for float32 and every codec, measured beside the cost model's prediction
+(`isoloco.sync.compressed`): each island adds up its workers first, so the bytes are flat in R,
+and the compressed sum's route keeps them flat in P. The other times rounds (wall clock) of 4
+islands of one process, R = 8, behind an emulated link, with and without overlap.
+
+A further table measures what overlap hides on the `quick` preset's run (the tiny model, H = 30)
 with R = 2 workers on 2 processes (2 islands of one) behind a 0.05 Gbit/s, 20 ms link: the
-exposed synchronisation at τ = 5 against τ = 0. A third checks the planning model (`isoloco.bench.planning.Link`) against the
+exposed synchronisation at τ = 5 against τ = 0. A third checks the cost model (`isoloco.sync.cost.Link`) against the
 emulated link: the seconds it predicts for the float32 merge's collectives against the
 measured `sync_s` at τ = 0.
 """
@@ -30,11 +37,18 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from isoloco.bench.comm import join_job, spawn_job
-from isoloco.bench.planning import Link
+import torch
+
+from isoloco.bench.comm import job_config, join_job, spawn_job
+from isoloco.bench.workload import parameter_shapes, worker_deltas
 from isoloco.bench.table import Table, megabytes
 from isoloco.config import resolve
-from isoloco.distributed import process_group
+from isoloco.distributed import Distributed, process_group
+from isoloco.merge import MergeConfig, Merger
+from isoloco.sync.codec import Quantization, wire_nbytes
+from isoloco.sync.compressed import wire_bytes_per_process
+from isoloco.sync.cost import Link, latency_steps, wire_bytes
+from isoloco.sync.plan import buckets
 from isoloco.trainer import Trainer
 
 METHODS = ("diloco", "isoloco")
@@ -50,6 +64,11 @@ PROCESSES, GPUS_PER_WORKER = 4, 2
 QUICK = {"methods": ("diloco",), "quantize": ("none", "int8"), "links": LINKS[:1]}
 #: The overlap table: the quick preset's run, 2 workers on 2 processes, a 0.05 Gbit/s link.
 OVERLAP_LINK, OVERLAP_TAUS, OVERLAP_ROUNDS = (0.05, 20.0), (0, 5), 4
+#: The many-islands byte table: P islands of one process, R workers (the `tiny` model's deltas).
+ISLANDS, ISLAND_WORKERS = (2, 4, 8), (8, 16, 32)
+QUICK_ISLANDS = {"islands": (2, 4), "workers": (8, 16)}
+#: The many-islands round table: 4 islands of one process, R = 8, a 0.1 Gbit/s, 20 ms link.
+ROUND_ISLANDS, ROUND_WORKERS, ROUND_LINK, ROUND_TAUS = 4, 8, (0.1, 20.0), (0, 2)
 
 
 def case_config(method: str, link: tuple[float, float], bucket_mb: float, quantize: str, tau: int,
@@ -92,7 +111,7 @@ def _run_cases(rank: int, world_size: int, port: int, cases: dict[str, tuple[str
     with process_group(resolve(*next(iter(cases.values())))):
         for index, (name, (preset, overrides)) in enumerate(cases.items()):
             run = Path(root) / str(index)
-            run.mkdir(exist_ok=True)
+            run.mkdir(parents=True, exist_ok=True)
             Trainer(resolve(preset, overrides), run, progress=False).run()
             if rank == 0:
                 lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -101,15 +120,77 @@ def _run_cases(rank: int, world_size: int, port: int, cases: dict[str, tuple[str
         Path(out).write_text(json.dumps(results))
 
 
-def measure(quick: bool) -> dict[str, dict[str, float]]:
-    """Every case's steady figures, keyed by `_key`."""
+#: The parts of the benchmark, each one job of processes: `--parts` picks some.
+PARTS = ("link", "overlap", "islands", "rounds")
+
+
+def measure(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, dict[str, float]]:
+    """Every case's steady figures, keyed by `_key` (and the parts' own keys)."""
     methods, quantize, links = ((QUICK["methods"], QUICK["quantize"], QUICK["links"]) if quick
                                 else (METHODS, QUANTIZE, LINKS))
-    cases = {_key(m, link, bucketing, q, tau): (None, case_config(m, link, BUCKETING[bucketing], q, tau))
-             for link in links for m in methods for bucketing in BUCKETING for q in quantize for tau in OVERLAPS}
-    overlap = {f"overlap|{m}|{tau}": ("quick", overlap_config(m, tau)) for m in methods for tau in OVERLAP_TAUS}
-    with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as other:
-        return {**spawn_job(_run_cases, PROCESSES, cases, root), **spawn_job(_run_cases, 2, overlap, other)}
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as root:
+        if "link" in parts:
+            cases = {_key(m, link, bucketing, q, tau): (None, case_config(m, link, BUCKETING[bucketing], q, tau))
+                     for link in links for m in methods for bucketing in BUCKETING for q in quantize for tau in OVERLAPS}
+            results.update(spawn_job(_run_cases, PROCESSES, cases, f"{root}/link"))
+        if "overlap" in parts:
+            overlap = {f"overlap|{m}|{tau}": ("quick", overlap_config(m, tau)) for m in methods for tau in OVERLAP_TAUS}
+            results.update(spawn_job(_run_cases, 2, overlap, f"{root}/overlap"))
+        if "rounds" in parts:
+            rounds = {f"rounds|{q}|{tau}": (None, islands_config(q, tau)) for q in quantize for tau in ROUND_TAUS}
+            results.update(spawn_job(_run_cases, ROUND_ISLANDS, rounds, f"{root}/rounds"))
+    if "islands" in parts:
+        sizes = QUICK_ISLANDS if quick else {"islands": ISLANDS, "workers": ISLAND_WORKERS}
+        for islands in sizes["islands"]:
+            results.update(spawn_job(_count_island_bytes, islands, sizes["workers"], QUANTIZE))
+    return results
+
+
+def islands_config(quantize: str, tau: int) -> dict:
+    """The many-islands round table's run: 4 islands of one process, R = 8, behind the link."""
+    rounds = ROUNDS * INNER_STEPS
+    return {"method": "isoloco", "model": "tiny", "workers": ROUND_WORKERS, "global_batch": 16, "seq_len": 64,
+            "steps": rounds, "inner_steps": INNER_STEPS, "eval_every": rounds, "checkpoint_every": 0,
+            "data.val_tokens": 1024, "device": "cpu", "dist.backend": "gloo", "dist.timeout_s": 300,
+            "dist.emulate_link": f"{ROUND_LINK[0]},{ROUND_LINK[1]}", "merge.quantize": quantize,
+            "outer.overlap_steps": tau}
+
+
+def _count_island_bytes(rank: int, world_size: int, port: int, workers_list: tuple[int, ...],
+                        formats: tuple[str, ...], out: str) -> None:
+    """One process of the job (an island of one process): merge the `tiny` model's deltas of
+    every R and format once; rank 0 writes each merge's cross-island wire bytes per process."""
+    join_job(rank, world_size, port)
+    shapes = parameter_shapes("tiny")
+    counts = {}
+    with process_group(resolve(None, job_config("tiny", workers_list[0]))):
+        for workers in workers_list:
+            deltas = worker_deltas(shapes, workers)
+            for fmt in formats:
+                run = Distributed(resolve(None, {**job_config("tiny", workers), "merge.quantize": fmt}))
+                local = {name: [tensors[w] for w in run.comm.local_worker_ids] for name, tensors in deltas.items()}
+                run.comm.reset_link_bytes()
+                Merger(MergeConfig(quantize=fmt), run.comm, seed=0).merge_all(local)
+                counts[f"islands|{world_size}|{workers}|{fmt}"] = {
+                    "wire": run.link_bytes(run.comm)["wire_bytes_cross_island"]}
+    if rank == 0:
+        Path(out).write_text(json.dumps(counts))
+
+
+def predicted_wire_bytes(islands: int, fmt: str) -> float:
+    """The cost model's cross-island wire bytes per process of one merge of the `tiny` model's
+    sum over `islands` islands of one process: a float32 all-reduce, or the compressed sum, per bucket."""
+    shapes = [shape for _, shape in parameter_shapes("tiny")]
+    limit = int(MergeConfig.bucket_mb * 2**20)
+    total = 0.0
+    for bucket in buckets([(4 * shape.numel(), torch.float32) for shape in shapes], limit):
+        chosen = [shapes[i] for i in bucket]
+        if fmt == "none":
+            total += wire_bytes("all_reduce", 4 * sum(shape.numel() for shape in chosen), islands)
+        else:
+            total += wire_bytes_per_process(chosen, Quantization(fmt), islands)
+    return total
 
 
 def _key(method: str, link: tuple[float, float], bucketing: str, quantize: str, tau: int) -> str:
@@ -122,10 +203,14 @@ def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
 
 
 def results_tables(results: dict[str, dict[str, float]]) -> Iterator[Table]:
+    """The tables of whichever parts `results` holds."""
     overlap = {key: figures for key, figures in results.items() if key.startswith("overlap|")}
-    results = {key: figures for key, figures in results.items() if key not in overlap}
+    islands = {key: figures for key, figures in results.items() if key.startswith("islands|")}
+    rounds = {key: figures for key, figures in results.items() if key.startswith("rounds|")}
+    results = {key: figures for key, figures in results.items()
+               if key not in overlap and key not in islands and key not in rounds}
     links = sorted({float(key.split("|")[1]) for key in results})
-    methods = [m for m in METHODS if any(key.startswith(m + "|") for key in results)]
+    methods = [m for m in METHODS if any(key.startswith((f"{m}|", f"overlap|{m}|")) for key in {**results, **overlap})]
     quantize = [q for q in QUANTIZE if any(f"|{q}|" in key for key in results)]
     for gbps in links:
         table = Table(f"The slow link at {gbps:g} Gbit/s, {LINKS[0][1]:g} ms: seconds per round and seconds "
@@ -144,13 +229,77 @@ def results_tables(results: dict[str, dict[str, float]]) -> Iterator[Table]:
         table.notes.append(
             f"H = {INNER_STEPS} steps of the `tiny` model per round, global batch 16 × 64 tokens, R = 2 workers, "
             f"each an island of 2 gloo processes on this machine; medians over rounds 2 to {ROUNDS - 1} of "
-            f"{ROUNDS}. The link is emulated: each cross-island collective is followed by a wait of the latency "
-            "plus its wire bytes at the bandwidth (`dist.emulate_link`). With τ > 0 a round's synchronisation "
-            "runs while the next round's first τ steps train, and is counted in the round it lands in. "
+            f"{ROUNDS}. The link is emulated: each cross-island collective's result is held back until a link "
+            "busy with the ones before it would have delivered it, its latency plus its wire bytes at the "
+            "bandwidth (`dist.emulate_link`). With τ > 0 a round's synchronisation runs while the next round's "
+            "first τ steps train, and is counted in the round it lands in. "
             "Wire bytes and collectives: one process's, per synchronisation.")
         yield table
-    yield overlap_table(overlap, methods)
-    yield planning_table(results, links, methods)
+    if overlap:
+        yield overlap_table(overlap, methods)
+    if results:
+        yield planning_table(results, links, methods)
+    if islands:
+        yield islands_table(islands)
+    if rounds:
+        yield rounds_table(rounds)
+
+
+def islands_table(results: dict[str, dict[str, float]]) -> Table:
+    """Cross-island wire bytes per process of one synchronisation, by P, R and format."""
+    keys = [key.split("|")[1:] for key in results]
+    islands = sorted({int(p) for p, _, _ in keys})
+    workers = sorted({int(r) for _, r, _ in keys})
+    formats = [q for q in QUANTIZE if any(q == fmt for _, _, fmt in keys)]
+    table = Table("Many islands: cross-island wire bytes per process of one synchronisation, measured "
+                  "(predicted), and against float32",
+                  ["P islands", "R workers", *[("float32" if q == "none" else q) for q in formats],
+                   "int8 if every worker's codes were gathered (computed)"])
+    for p in islands:
+        for r in workers:
+            measured = {q: results[f"islands|{p}|{r}|{q}"]["wire"] for q in formats
+                        if f"islands|{p}|{r}|{q}" in results}
+            if not measured:
+                continue
+            float32 = measured.get("none")
+            cells = []
+            for q in formats:
+                ratio = f", {measured[q] / float32:.3f}×" if float32 and q != "none" else ""
+                cells.append(f"{megabytes(measured[q])} ({megabytes(predicted_wire_bytes(p, q))}){ratio}")
+            int8 = Quantization("int8")
+            codes = sum(wire_nbytes(shape.numel(), int8, int8.group_size(shape)) for _, shape in parameter_shapes("tiny"))
+            gathered = wire_bytes("all_gather", r // p * codes, p)
+            table.add(str(p), str(r), *cells, megabytes(gathered))
+    table.notes.append(
+        "One merge (mean) of the `tiny` model's deltas on P gloo processes, each an island holding R/P workers; "
+        "measured: `wire_bytes_cross_island` averaged over the processes; predicted: the cost model "
+        "(`isoloco.sync.cost`, `isoloco.sync.compressed`) for the same buckets. Each island adds its workers "
+        "up before anything crosses, so nothing depends on R; from P = 3 the compressed sum is an all-to-all "
+        "of chunks and an all-gather of the owners' re-encoded sums, ≈ w/4 of float32's ring all-reduce. The "
+        "last column is what the earlier layout (an all-gather of every worker's int8 codes) would put on the "
+        "link: (P − 1) · R/P codes of the model.")
+    return table
+
+
+def rounds_table(results: dict[str, dict[str, float]]) -> Table:
+    """Seconds per round (wall clock) at 4 islands, with and without overlap."""
+    formats = [q for q in QUANTIZE if any(key.split("|")[1] == q for key in results)]
+    table = Table(f"Many islands: seconds per round, {ROUND_ISLANDS} islands of one process, R = {ROUND_WORKERS}, "
+                  f"{ROUND_LINK[0]:g} Gbit/s, {ROUND_LINK[1]:g} ms",
+                  ["pseudo-gradients", *[f"τ={tau}: round s (exposed s)" for tau in ROUND_TAUS],
+                   "cross-island wire per process"])
+    for q in formats:
+        by_tau = [results[f"rounds|{q}|{tau}"] for tau in ROUND_TAUS]
+        table.add("float32" if q == "none" else q,
+                  *(f"{r['round_s']:.2f} ({r['sync_exposed_s']:.2f})" for r in by_tau),
+                  megabytes(by_tau[0]["wire_bytes_cross_island"]))
+    table.notes.append(
+        f"IsoLoCo on the `tiny` model, H = {INNER_STEPS}, global batch 16 × 64 tokens, {ROUNDS} rounds; "
+        "medians over the steady rounds. Round s is wall clock (training, the merge's compute and what is "
+        "waited for); exposed s is the synchronisation's time on the main thread (its stages and the wait at "
+        "the landing). On this 2-core machine the 4 processes share the cores, so compute and transfers "
+        "contend.")
+    return table
 
 
 def overlap_table(results: dict[str, dict[str, float]], methods: list[str]) -> Table:
@@ -185,12 +334,14 @@ def planning_table(results: dict[str, dict[str, float]], links: list[float], met
                 # A ring all-reduce over 2 members puts its whole tensor on each member's link
                 # (2(k − 1)/k of it), in as many messages as the merge makes collectives across.
                 crossing = measured["collectives_cross_island"]
-                planned = link.all_reduce(measured["wire_bytes_cross_island"], 2, round(crossing))
+                planned = link.transfer_seconds(measured["wire_bytes_cross_island"],
+                                                round(crossing) * latency_steps("all_reduce", 2))
                 table.add(f"{gbps:g} Gbit/s", method, bucketing, f"{crossing:g}", f"{planned:.2f}",
                           f"{measured['sync_s']:.2f}", f"{measured['sync_s'] / planned:.2f}")
     table.notes.append(
-        "Planned: `planning.Link.all_reduce` of a process's cross-island wire bytes over 2 islands, one message "
-        "per collective that crosses (a ring of 2 members: 2 latency steps each; the emulation charges one); "
+        "Planned: the cost model's seconds (`isoloco.sync.cost.Link`) for a process's cross-island wire bytes over "
+        "2 islands, one message per collective that crosses (a ring of 2 members: 2 latency steps each; the "
+        "emulation charges one); "
         "measured: the run's "
         "`sync_s`, which also holds the merge's own compute (IsoLoCo's orthogonalisations) and the in-island "
         "all-gathers over loopback.")
@@ -233,11 +384,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m isoloco.bench.link", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="DiLoCo only, float32 and int8, the slower link")
     parser.add_argument("--plot", type=Path, default=None, help="also draw the round times to this PNG file")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to measure, from {', '.join(PARTS)} (default: all)")
     args = parser.parse_args(argv)
-    results = measure(args.quick)
+    parts = tuple(part for part in args.parts.split(",") if part)
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts {','.join(unknown)} is not a part: choose from {', '.join(PARTS)}")
+    results = measure(args.quick, parts)
     for table in results_tables(results):
         print("\n" + table.markdown(), flush=True)
-    if args.plot:
+    if args.plot and "link" in parts:
         plot(results, args.plot)
     return 0
 

@@ -41,7 +41,8 @@ from isoloco.bench.table import Table
 from isoloco.bench.throughput import plain_loop
 from isoloco.bench.timing import interleaved
 from isoloco.bench.workload import parameter_shapes, simulator
-from isoloco.comm import buckets
+from isoloco.sync.cost import Link
+from isoloco.sync.plan import buckets
 from isoloco.merge import MergeConfig
 from isoloco.model import MODEL_PRESETS
 
@@ -49,20 +50,6 @@ from isoloco.model import MODEL_PRESETS
 VALUE_BYTES = 4
 #: The slow-link bandwidths of the table, in bit/s (the plot sweeps 1 Mbit/s to 1 Tbit/s).
 TABLE_BANDWIDTHS = (1e8, 1e9, 1e10, 1e11)
-
-
-@dataclass(frozen=True)
-class Link:
-    bandwidth: float  # bytes/s through one member's link
-    latency: float  # seconds per message
-
-    def all_reduce(self, size: float, members: int, messages: int) -> float:
-        """Seconds of `messages` ring all-reduces moving `size` bytes in all over `members`."""
-        return 2 * (members - 1) * (size / members / self.bandwidth + messages * self.latency)
-
-    def all_gather(self, size: float, members: int, messages: int) -> float:
-        """Seconds of `messages` ring all-gathers of `size` bytes in all over `members`."""
-        return (members - 1) * (size / members / self.bandwidth + messages * self.latency)
 
 
 @dataclass(frozen=True)
@@ -98,17 +85,17 @@ class Scenario:
         slow, size, g, islands = Link(slow_bandwidth, self.slow_latency), self.model_bytes, self.gpus_per_worker, \
             self.islands
         # A step's gradient buckets are all-reduced asynchronously: their latencies overlap.
-        in_island = self.fast.all_reduce(size, g, messages=1)
-        dp_step = in_island + slow.all_reduce(size, islands, messages=1)
+        in_island = self.fast.seconds("all_reduce", size, g, 1)
+        dp_step = in_island + slow.seconds("all_reduce", size, islands, 1)
         # The merge runs one blocking collective per bucket: a latency chain each.
-        gather = self.fast.all_gather(size, g, self.merge_collectives)
+        gather = self.fast.seconds("all_gather", size, g, self.merge_collectives)
         steps = self.inner_steps * (self.compute() + in_island)
         return {
             "compute": self.inner_steps * self.compute(),
             "dp": self.inner_steps * (self.compute() + dp_step),
             # Before: the island's G processes each all-reduce the whole model over its one slow link.
-            "diloco, G copies across": steps + slow.all_reduce(g * size, islands, self.merge_collectives),
-            "diloco, split": steps + slow.all_reduce(size, islands, self.merge_collectives) + gather,
+            "diloco, G copies across": steps + slow.seconds("all_reduce", g * size, islands, self.merge_collectives),
+            "diloco, split": steps + slow.seconds("all_reduce", size, islands, self.merge_collectives) + gather,
         }
 
 

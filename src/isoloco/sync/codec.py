@@ -1,4 +1,4 @@
-"""Low-bit transport: what a pseudo-gradient looks like while it crosses the slow link.
+"""The codecs: what a phase's contributions look like while they cross the slow link.
 
 A tensor is sent as a `Wire`: one contiguous payload plus, for the integer formats, one
 float32 absmax scale per *group* of consecutive entries of the flattened tensor:
@@ -22,11 +22,8 @@ Error feedback (`compress_with_feedback`) keeps what a worker's compression lost
 its next pseudo-gradient, so nothing is lost for good: over T rounds the values sent add up to
 the values meant minus the last residual.
 
-`quantized_allreduce_reference` is the all-reduce that carries the low-bit data, simulated in
-one process: each process quantises its tensor shard by shard, shard j goes to process j
-(reduce-scatter), process j decodes and sums the P copies in rank order, requantises the sum
-and sends it to every process (all-gather). `allreduce_wire_bytes` counts what that puts on
-the link.
+`carry_refusal` is the codec's say on a rule: it carries a rule whose every collective is a
+sum that tolerates rounding, and says in one line why not otherwise.
 
 Scales are float32 on every device. A scale below float32's normal range (a group whose
 absmax is under qmax · 2⁻¹²⁶, about 10⁻³⁶) loses precision, and the half-scale bound can then
@@ -37,11 +34,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from isoloco.configbase import check_at_least, check_choices, option
+
+if TYPE_CHECKING:
+    from isoloco.rules import Phase
 
 #: What crosses the link, from exact to smallest.
 FORMATS = ("none", "bf16", "int8", "int4")
@@ -266,67 +267,17 @@ def shard_ranges(numel: int, group_size: int, processes: int) -> list[tuple[int,
             for j in range(processes)]
 
 
-def quantized_allreduce_reference(local_sums: list[torch.Tensor], quantization: Quantization,
-                                  residuals: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """The sum over P processes that an all-reduce carrying low-bit data gives, simulated in one
-    process; `local_sums[p]` is what process p contributes (all float32, one shape).
-
-    1. Each process quantises its tensor shard by shard (`shard_ranges`; every shard, its own
-       included, so its contribution is compressed alike wherever it lands) and sends shard j
-       to process j (reduce-scatter).
-    2. Process j decodes the P copies of shard j and adds them in rank order.
-    3. Process j requantises the sum and sends it to every process (all-gather); every process,
-       j included, decodes the same bits.
-
-    Returns what every process ends with. Each entry is within Σ_p s_p/2 + s_r/2 of the exact
-    sum, s_p the scale of its group in process p's wire and s_r that of the reduced shard, where
-    s_r ≤ (1 + 1/(2·qmax))·Σ_p s_p (``bf16``: 2⁻⁸ of each magnitude, twice). Every step works on
-    whole groups, so the result does not depend on P's split into shards: it is exactly
-    deq(q(Σ_p deq(q(x_p)))) with the sum in rank order.
-
-    With `residuals` (one per process, of the tensor's shape) the first quantisation uses error
-    feedback: process p sends x_p + e_p and e_p is updated in place to what that lost.
-    """
-    if not local_sums:
-        raise ValueError("quantized_allreduce_reference needs at least one process")
-    shape = local_sums[0].shape
-    if any(t.shape != shape for t in local_sums):
-        raise ValueError(f"every process must contribute one shape, got {[tuple(t.shape) for t in local_sums]}")
-    processes = len(local_sums)
-    group = quantization.group_size(shape)
-    inputs = [t.reshape(-1) for t in local_sums]
-    if residuals is not None:
-        inputs = [x + e.reshape(-1) for x, e in zip(inputs, residuals)]
-    shards = shard_ranges(inputs[0].numel(), group, processes)
-    sent = [[dequantize(quantize(x[start:stop], quantization, group)) for start, stop in shards] for x in inputs]
-    if residuals is not None:
-        for e, x, decoded in zip(residuals, inputs, sent):
-            e.copy_((x - torch.cat(decoded)).reshape(e.shape))
-    reduced = []
-    for j in range(processes):
-        total = sent[0][j].clone()
-        for p in range(1, processes):
-            total += sent[p][j]
-        reduced.append(dequantize(quantize(total, quantization, group)))
-    return torch.cat(reduced).reshape(shape)
-
-
-def allreduce_wire_bytes(shape: torch.Size | tuple[int, ...] | int, quantization: Quantization,
-                         processes: int) -> int:
-    """Bytes one process sends in `quantized_allreduce_reference`'s algorithm run as a ring, for a
-    tensor of `shape` (an int n: a flat tensor of n entries).
-
-    Ring collectives move equal chunks, so each shard goes as ⌈G / P⌉ whole groups (G groups in
-    all, `Quantization.group_size`), the last ones padded: the reduce-scatter sends P − 1 chunks
-    and the all-gather P − 1, 2·(P − 1) in all, each of `wire_nbytes` bytes. For ``none`` that is
-    the float32 ring all-reduce, 2·(P − 1)·4·⌈n / P⌉; ``int8`` sends 1 byte per entry and ``int4``
-    ½, plus 4 bytes per group's scale (+4/g bytes per entry: 1.6 % of float32 at g = 256). Row
-    scales split whole rows between processes, so a matrix of fewer rows than P pads heavily.
-    """
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    numel = math.prod(shape)
-    if processes < 2 or numel == 0:
-        return 0
-    group = quantization.group_size(shape)
-    per_shard = math.ceil(math.ceil(numel / group) / processes)
-    return 2 * (processes - 1) * wire_nbytes(per_shard * group, quantization, group)
+def carry_refusal(quantization: Quantization, phases: Sequence[Phase], rule: str) -> str | None:
+    """Why `rule` (whose phases for a matrix are `phases`) cannot travel under `quantization`,
+    or None when it can: every phase must be a sum whose terms tolerate rounding (not a gather
+    of factors, not a sum of counts)."""
+    if quantization.quantize == "none":
+        return None
+    for phase in phases:
+        if phase.collective != "sum":
+            return (f"merge.quantize={quantization.quantize} is not allowed with merge.rule={rule}: {rule} gathers "
+                    f"each worker's factors, and the codecs carry sums only; use merge.quantize=none")
+        if phase.exact:
+            return (f"merge.quantize={quantization.quantize} is not allowed with merge.rule={rule}: one of its sums "
+                    f"counts agreeing workers, which rounding would corrupt; use merge.quantize=none")
+    return None

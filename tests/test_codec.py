@@ -1,5 +1,5 @@
-"""The low-bit transport: round-trip error bounds, exact wire bytes, int4 packing, refusal of
-non-finite values, determinism, error feedback and the all-reduce that carries low-bit data."""
+"""The codecs: round-trip error bounds, exact wire bytes, int4 packing, refusal of non-finite
+values, determinism and error feedback (the compressed sum is tests/test_compressed.py)."""
 
 import io
 
@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from isoloco.errors import ConfigError
-from isoloco.quantize import (QMAX, SCALE_GROUPS, Quantization, Wire, allreduce_wire_bytes,
-                              compress_with_feedback, dequantize, error_bound, quantize,
-                              quantized_allreduce_reference, shard_ranges, wire_nbytes)
+from isoloco.sync.codec import (QMAX, SCALE_GROUPS, Quantization, Wire, compress_with_feedback, dequantize,
+                                error_bound, quantize, shard_ranges, wire_nbytes)
 
 SCALED = [Quantization(fmt, scales, block) for fmt in ("int8", "int4") for scales in SCALE_GROUPS
           for block in (128, 256)]
@@ -243,96 +242,3 @@ def test_shards_are_whole_groups_covering_the_tensor():
     assert shard_ranges(1000, 256, 4) == [(0, 256), (256, 512), (512, 768), (768, 1000)]
     assert shard_ranges(300, 256, 4) == [(0, 256), (256, 300), (300, 300), (300, 300)]
     assert shard_ranges(10, 1, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
-
-
-def _allreduce_bound(local_sums: list[torch.Tensor], quantization: Quantization) -> torch.Tensor:
-    """The stated error bound of the reference all-reduce, per entry."""
-    qmax = QMAX[quantization.quantize]
-    wires = [quantize(x, quantization) for x in local_sums]
-    stage_one = sum(error_bound(wire, x) for wire, x in zip(wires, local_sums))
-    return stage_one + stage_one * (1 + 1 / (2 * qmax))
-
-
-@pytest.mark.parametrize("processes", [2, 4])
-@pytest.mark.parametrize("quantization", SCALED, ids=str)
-def test_reference_allreduce_is_within_the_stated_error_of_the_true_sum(processes, quantization):
-    local_sums = [_randn(48, 160, seed=10 + p) for p in range(processes)]
-    exact = torch.stack([x.double() for x in local_sums]).sum(0)
-    result = quantized_allreduce_reference(local_sums, quantization)
-    error = (result.double() - exact).abs()
-    assert (error <= _allreduce_bound(local_sums, quantization).double() + 1e-6).all()
-    # It is the two-stage quantisation itself, whatever the split into shards: the same bits.
-    sent = [dequantize(quantize(x, quantization)) for x in local_sums]
-    total = sent[0].clone()
-    for decoded in sent[1:]:
-        total += decoded
-    assert torch.equal(result, dequantize(quantize(total, quantization)))
-
-
-@pytest.mark.parametrize("processes", [2, 4])
-def test_reference_allreduce_without_scales(processes):
-    local_sums = [_randn(48, 160, seed=20 + p) for p in range(processes)]
-    total = local_sums[0].clone()
-    for x in local_sums[1:]:
-        total += x
-    assert torch.equal(quantized_allreduce_reference(local_sums, Quantization("none")), total)
-    bf16 = quantized_allreduce_reference(local_sums, Quantization("bf16"))
-    magnitudes = torch.stack(local_sums).abs().sum(0)
-    assert ((bf16 - total).abs() <= 2 ** -8 * (2 * magnitudes + total.abs()) + 1e-7).all()
-
-
-def test_reference_allreduce_with_error_feedback_conserves_every_process_contribution():
-    quantization = Quantization("int4", "block", 128)
-    processes, rounds = 4, 32
-    generator = torch.Generator().manual_seed(30)
-    residuals = [torch.zeros(8, 300) for _ in range(processes)]
-    sent_total = torch.zeros(8, 300, dtype=torch.float64)
-    true_total = torch.zeros(8, 300, dtype=torch.float64)
-    for _ in range(rounds):
-        local_sums = [torch.randn(8, 300, generator=generator) for _ in range(processes)]
-        before = [e.clone() for e in residuals]
-        quantized_allreduce_reference(local_sums, quantization, residuals)
-        for x, e_old, e_new in zip(local_sums, before, residuals):
-            # The new residual is what process p's first-stage wire lost of x + e.
-            expected = (x + e_old) - dequantize(quantize(x + e_old, quantization))
-            assert torch.equal(e_new, expected)
-            sent_total += (x + e_old - e_new).double()
-            true_total += x.double()
-    torch.testing.assert_close(sent_total, true_total - sum(e.double() for e in residuals), rtol=0, atol=1e-4)
-
-
-def test_allreduce_wire_bytes_against_float32():
-    n = 1 << 20
-    for processes in (2, 4):
-        float32 = allreduce_wire_bytes(n, Quantization("none"), processes)
-        assert float32 == 2 * (processes - 1) * 4 * n // processes
-        assert allreduce_wire_bytes(n, Quantization("bf16"), processes) / float32 == 0.5
-        # 1 byte (int8) or 1/2 (int4) per entry plus a 4-byte scale per block, against 4 bytes.
-        for block in (128, 256):
-            for fmt, per_entry in (("int8", 1), ("int4", 0.5)):
-                ratio = allreduce_wire_bytes(n, Quantization(fmt, "block", block), processes) / float32
-                assert ratio == (per_entry + 4 / block) / 4
-    assert allreduce_wire_bytes(n, Quantization("int8", "block", 256), 2) / allreduce_wire_bytes(
-        n, Quantization("none"), 2) == 0.25390625
-    assert allreduce_wire_bytes(n, Quantization("int4", "block", 256), 2) / allreduce_wire_bytes(
-        n, Quantization("none"), 2) == 0.12890625
-    assert allreduce_wire_bytes(n, Quantization("int8"), 1) == 0
-
-
-@pytest.mark.parametrize("processes", [2, 4])
-@pytest.mark.parametrize("quantization", EVERY, ids=str)
-def test_allreduce_wire_bytes_are_what_the_shards_weigh(processes, quantization):
-    """Each process sends P - 1 shard wires in each of the two collectives; with equal shards
-    that is exactly `allreduce_wire_bytes`, and padding never makes it less."""
-    for shape in [(64, 512), (1000,), (7, 33)]:
-        x = torch.randn(*shape)
-        group = quantization.group_size(shape)
-        shards = shard_ranges(x.numel(), group, processes)
-        largest = max(quantize(x.reshape(-1)[a:b], quantization, group).nbytes for a, b in shards)
-        sent_by_owner = [quantize(x.reshape(-1)[a:b], quantization, group).nbytes for a, b in shards]
-        counted = allreduce_wire_bytes(shape, quantization, processes)
-        assert counted >= 2 * (sum(sent_by_owner) - min(sent_by_owner))
-        if len({b - a for a, b in shards}) == 1:
-            assert counted == 2 * (processes - 1) * largest
-    assert allreduce_wire_bytes((64, 512), Quantization("int8", "row"), 4) / allreduce_wire_bytes(
-        (64, 512), Quantization("none"), 4) == (1 + 4 / 512) / 4

@@ -1,0 +1,59 @@
+"""The one cost model of collectives: bytes each process puts on a link, and seconds on a link.
+
+Every count in isoloco (the metrics' `wire_bytes_*`, the link benchmark's predictions, the
+planning tables) comes from here. Collectives are the usual ring / pairwise algorithms over
+P processes:
+
+* all-reduce of an n-byte tensor: a reduce-scatter then an all-gather, 2(P−1)/P·n sent per
+  process in 2(P−1) latency-bound steps;
+* all-gather of n-byte blocks: each process's block to each of the P − 1 others, (P−1)·n, in
+  P − 1 steps;
+* all-to-all: what a process sends to the others (its own chunk stays), in P − 1 steps;
+* broadcast of n bytes: the source sends it to each of the P − 1 receivers (counted there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+KINDS = ("all_reduce", "all_gather", "all_to_all", "broadcast")
+
+
+def wire_bytes(kind: str, size: float, processes: int) -> float:
+    """Bytes one process puts on the link in one collective of `kind` over `processes`:
+    `size` is the all-reduced tensor, one all-gather block, the bytes an all-to-all sends to
+    the others, or the broadcast tensor."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective {kind!r}: expected one of {', '.join(KINDS)}")
+    if processes <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (processes - 1) / processes * size
+    if kind == "all_to_all":
+        return float(size)
+    return (processes - 1) * size
+
+
+def latency_steps(kind: str, processes: int) -> int:
+    """Latency-bound steps of one collective of `kind` over `processes` (see the module docstring)."""
+    if processes <= 1:
+        return 0
+    return 2 * (processes - 1) if kind == "all_reduce" else processes - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A link of `bandwidth` bytes/s per member and `latency` seconds per message."""
+
+    bandwidth: float
+    latency: float
+
+    def transfer_seconds(self, wire: float, steps: int = 1) -> float:
+        """Seconds to put `wire` bytes on this link in `steps` latency-bound steps."""
+        return wire / self.bandwidth + steps * self.latency
+
+    def seconds(self, kind: str, size: float, processes: int, messages: int = 1) -> float:
+        """Seconds of `messages` collectives of `kind` moving `size` bytes in all over
+        `processes` members (for an all-gather, `size` is the gathered result)."""
+        block = size / processes if kind == "all_gather" else size
+        return self.transfer_seconds(wire_bytes(kind, block, processes), messages * latency_steps(kind, processes))
