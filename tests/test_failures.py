@@ -89,7 +89,8 @@ def test_partial_and_damaged_checkpoints_are_skipped(tmp_path, reference):
     assert_same_result(out, reference)
 
 
-def test_a_resume_whose_every_checkpoint_is_damaged_stops_and_writes_nothing(tmp_path, capsys):
+def test_a_resume_whose_every_checkpoint_is_damaged_stops_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    from isoloco import launch
     from isoloco.cli import main
 
     out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
@@ -108,6 +109,10 @@ def test_a_resume_whose_every_checkpoint_is_damaged_stops_and_writes_nothing(tmp
     assert f"{newest}: global.safetensors is missing or its checksum does not match" in err[0]
     assert f"{older}: state.json is damaged" in err[0]
     assert err[0].endswith(f"nothing was resumed; to start over from step 0, delete {root} or train into a new --out")
+    # `isoloco launch` refuses it alike, before torchrun starts a process.
+    monkeypatch.setattr(launch, "run_torchrun", lambda argv: pytest.fail("torchrun was started"))
+    assert main(["launch", "--nproc", "2", "--", "train", "--resume", str(out), "--quiet"]) == 2
+    assert capsys.readouterr().err.splitlines() == err
     # No checkpoint, metrics line or summary was written or changed.
     assert {path: path.read_bytes() if path.is_file() else None for path in out.rglob("*")} == before
 

@@ -202,6 +202,16 @@ def load_latest(root: Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
+def latest_to_resume(root: Path) -> tuple[Path, dict[str, Any]] | None:
+    """`load_latest` for a resume, whose refusal when every checkpoint is damaged also says how
+    to start over deliberately."""
+    try:
+        return load_latest(root)
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}: nothing was resumed; to start over from step 0, delete {root} or train into "
+                              "a new --out") from None
+
+
 _ELEMENT_SIZES = {name: dtype.itemsize for dtype, name in _SAFETENSORS_DTYPES.items()}
 
 

@@ -8,7 +8,6 @@ every error a user can act on this way (`isoloco.errors` has the exit status of 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from isoloco import __version__, logs
-from isoloco.checkpoint import latest_checkpoint, write_json_atomic, write_text_atomic
+from isoloco.checkpoint import latest_to_resume, write_json_atomic, write_text_atomic
 from isoloco.cliargs import add_items, parse_late
 from isoloco.config import (DEFAULT_PRESET, TrainConfig, describe_keys, from_dict, parse_overrides, preset_names,
                             resolve, run_warnings, split_items, to_dict)
@@ -164,9 +163,10 @@ def preflight_launch(command: list[str], world_size: int) -> int | None:
         _print_dry_run(cfg, out, bool(train_args.resume), layout)
         return 0
     if train_args.resume:
-        newest = latest_checkpoint(out / CHECKPOINT_DIR)
-        if newest is not None:
-            check_resume_layout(newest, json.loads((newest / "state.json").read_text()), layout.describe())
+        # The checkpoint rank 0 will resume from: the newest that verifies.
+        found = latest_to_resume(out / CHECKPOINT_DIR)
+        if found is not None:
+            check_resume_layout(*found, layout.describe())
     load_run_data(cfg)
     return None
 

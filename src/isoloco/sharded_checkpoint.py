@@ -83,10 +83,9 @@ def find_latest(group: Distributed, root: Path) -> tuple[Path, dict[str, Any]] |
     if group.is_main:
         ckpt.remove_partial(root)
         try:
-            found = ckpt.load_latest(root)
+            found = ckpt.latest_to_resume(root)
         except ckpt.CheckpointError as err:
-            error = (f"{err}: nothing was resumed; to start over from step 0, delete {root} or train into a new "
-                     "--out")
+            error = str(err)
     found, error = group.broadcast_object((found, error))
     if error:
         raise ckpt.CheckpointError(error)
