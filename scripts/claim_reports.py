@@ -76,6 +76,9 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
                      ("strongest/isoloco-mu0.6-lr1.5", "*-R16-H30-s*", "tuned-")],
     # Compressed and delayed pseudo-gradients (scripts/link_science.sh), one sweep folder per setting.
     "link-science": [("main", "dp-s*", ""), ("link/*", "*-R8-H30-s*", "{sweep}-")],
+    # The compressed sum (scripts/compressed_science.sh): tuned DiLoCo and IsoLoCo at R = 8 and 16,
+    # exact and compressed, seeds 1-3 (seed 0 chose the tuned settings).
+    "compressed-science": [("main", "dp-s[123]", ""), ("compressed/*", "*-s*", "{sweep}-")],
     # IsoLoCo's first rounds against the budget, and its robust variants (scripts/early_budget.sh):
     # the `quick` runs of every budget in one view (dp pairs by budget), repro-cpu's in another.
     "early-quick": [("early-budget/steps*", "*-s*", "{sweep}-")],
@@ -126,6 +129,15 @@ def early_label(steps: int | None = 60, power: float = 0.0, floor: float = 0.0, 
 
 #: scripts/early_budget.sh's variants, as `early_label` arguments.
 EARLY_VARIANTS = ({"power": 0.5}, {"floor": 0.1}, {"exclude": "*embed_tokens*,lm_head.weight"})
+def compressed_label(method: str, quantize: str = "none", feedback: bool = False) -> str:
+    """A run label of the compressed-science view: the method at its tuned outer step."""
+    tuned = TUNED_DILOCO if method == "diloco" else TUNED_ISOLOCO
+    return f"{method} merge.error_feedback={feedback} merge.quantize={quantize}{tuned.removeprefix(method)}"
+
+
+#: scripts/compressed_science.sh's settings other than the exact one, as `compressed_label` arguments.
+COMPRESSED_SETTINGS = ({"quantize": "int8"}, {"quantize": "int8", "feedback": True}, {"quantize": "int4"},
+                       {"quantize": "int4", "feedback": True})
 #: scripts/link_science.sh's settings other than the exact one, as `link_label` arguments.
 LINK_SETTINGS = ({"quantize": "int8"}, {"quantize": "int8", "feedback": True}, {"quantize": "int4"},
                  {"quantize": "int4", "feedback": True}, {"overlap": 5})
@@ -169,6 +181,11 @@ REPORTS: dict[str, list[str]] = {
     "r1-fedavg": [f"{TUNED_ISOLOCO}:diloco_sgd", "isoloco outer.lr=1.2 outer.momentum=0.8:diloco_sgd",
                   f"diloco_sgd:{TUNED_DILOCO}", "diloco_sgd:dp"],
     "claim4-tuned": ["isoloco:isoc outer.lr=2.1", "isoloco:isoc outer.lr=3.0"],
+    "compressed-science": [
+        *(f"{compressed_label(m, **kw)}:{compressed_label(m)}" for kw in COMPRESSED_SETTINGS for m in ("isoloco", "diloco")),
+        *(f"{compressed_label('isoloco', **kw)}:{compressed_label('isoloco')}::{compressed_label('diloco', **kw)}:"
+          f"{compressed_label('diloco')}" for kw in COMPRESSED_SETTINGS),
+        f"{compressed_label('isoloco')}:{compressed_label('diloco')}"],
     "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [], "tune-small": [], "strongest-search": [], "spectra": [],
 }
 
