@@ -7,11 +7,14 @@ tokenizer, so a preset only fixes the shape of the network.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from isoloco.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ def check_model_name(name: str) -> ModelShape:
 
 
 def llama_config(name: str, vocab_size: int, max_positions: int) -> LlamaConfig:
+    from transformers import LlamaConfig  # seconds to import: only when a model is built
+
     shape = check_model_name(name)
     return LlamaConfig(
         vocab_size=vocab_size,
@@ -64,6 +69,8 @@ def build_model(name: str, vocab_size: int, max_positions: int, seed: int) -> Ll
     # caller's RNG untouched and the weights depend on `seed` alone.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        from transformers import LlamaForCausalLM  # deferred as in llama_config
+
         model = LlamaForCausalLM(config)
     return model
 
