@@ -277,7 +277,7 @@ def island(setting: Setting, workdir: Path) -> Row:
 
 #: The overlapped, compressed synchronisation the overlap check runs (τ = 1 of H = 3).
 OVERLAP = {"outer.overlap_steps": 1, "outer.overlap_alpha": 0.5, "merge.quantize": "int8",
-           "merge.error_feedback": "true"}
+           "merge.error_feedback": True}
 
 
 def overlap(setting: Setting, workdir: Path) -> list[Row]:
