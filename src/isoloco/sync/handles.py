@@ -73,11 +73,6 @@ def run_to_end(steps: Steps[T]) -> T:
             return end.value
 
 
-def wait_all(pending: Sequence[Pending[T]]) -> list[T]:
-    """The results of `pending`, in order."""
-    return [handle.wait() for handle in pending]
-
-
 def lockstep(all_steps: Sequence[Steps[T]]) -> Steps[list[T]]:
     """Several synchronisations' steps as one: each stage starts every one's collectives
     before any waits (they must have the same number of stages), then their results in order."""
