@@ -60,7 +60,13 @@ RULES = {
 }
 #: The mean again behind an emulated slow link (1 Gbit/s, 150 ms): the same numbers, later.
 SLOW_LINK = {"method": "diloco", "dist.emulate_link": "1,150"}
-CASES = {**{name: {"workers": 4, **o} for name, o in {**RULES, "mean_slow_link": SLOW_LINK}.items()},
+#: Stragglers (issue 32): TSV weighted by tokens, with late workers carried. Seed 141 draws
+#: workers 2 and 3 (all of process 1) late in round 0 and worker 2 again in round 1, so a
+#: process with no worker merged sends zeros that the gather drops, and carried deltas join.
+STRAGGLERS = {"method": "tsv", "seed": 141, "worker_speeds": "1,0.5", "merge.weighting": "tokens",
+              "faults.late_rate": 0.4, "faults.late": "carry"}
+CASES = {**{name: {"workers": 4, **o} for name, o in
+            {**RULES, "mean_slow_link": SLOW_LINK, "stragglers": STRAGGLERS}.items()},
          "dp": {"method": "dp"}}
 
 
@@ -171,6 +177,13 @@ def test_two_processes_train_what_one_process_trains(two_process_runs, one_proce
     assert [m["train_loss"] for m in ours] == pytest.approx([m["train_loss"] for m in theirs], rel=1e-5)
     assert ours[-1]["val_loss"] == pytest.approx(theirs[-1]["val_loss"], rel=1e-5)
     assert ckpt.verify(ckpt.latest_checkpoint(two_process_runs / case / "checkpoints"))["layout"]["processes"] == 2
+
+
+def test_late_workers_are_drawn_alike_in_every_layout(two_process_runs, one_process_runs):
+    ours, theirs = (counts(run, "workers_merged") for run in (two_process_runs / "stragglers",
+                                                              one_process_runs["stragglers"].out_dir))
+    assert ours == theirs == [2, 3]
+    assert counts(two_process_runs / "stragglers", "worker_steps") == [[3, 2, 3, 2]] * 2
 
 
 def test_orthogonalisation_is_shared_inside_an_island_only(two_process_runs):

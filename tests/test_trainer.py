@@ -151,7 +151,7 @@ def test_an_error_in_flight_surfaces_at_the_landing_and_closes_the_synchronisati
         raise RuntimeError("spoiled outer step")
 
     trainer.train_round(0, 3)  # round 0's synchronisation starts in flight
-    monkeypatch.setattr(outer_module.OuterStep, "_apply", lambda self, merger, merge, deltas, fetch: (
+    monkeypatch.setattr(outer_module.OuterStep, "_apply", lambda self, merge, deltas, fetch: (
         (yield from merge), failing_step(self))[1])
     trainer.train_round(3, 6)  # lands round 0's (fine), starts round 1's, which will fail
     in_flight = trainer.algorithm.in_flight

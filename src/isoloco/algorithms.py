@@ -9,7 +9,10 @@ the algorithm synchronises. What differs between the algorithms lives here:
   by `OuterStep`; a worker whose loss or Δ is not finite stops the run or, with
   `on_bad_worker=drop`, is left out of the round and restarted from θ. With
   `outer.overlap_steps=τ` the synchronisation runs while the next round's first τ steps
-  train from each worker's own weights (`isoloco.sync.inflight`).
+  train from each worker's own weights (`isoloco.sync.inflight`). With `faults.late_rate`,
+  workers that miss a round's deadline (drawn from the seed) are left out of its merge, their
+  deltas lost or carried to the next round they arrive in (`faults.late`); with
+  `merge.weighting=tokens` the merge weighs each worker by the steps it took (`worker_speeds`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from isoloco.data import Batches
 from isoloco.distributed import Distributed
 from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.inner import InnerOptimizer, pinned_zeros_like
+from isoloco.merge import Participation
 from isoloco.outer import OuterStep
 from isoloco.sync.handles import Steps, Sync, run_to_end
 from isoloco.sync.inflight import InFlight
@@ -53,6 +57,9 @@ class Worker:
     #: With `merge.error_feedback`: what compressing its deltas has lost so far, per parameter
     #: (storage device; checkpointed with the worker); otherwise empty.
     residual: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    #: With `faults.late=carry`: its deltas that missed their rounds, down-weighted, waiting for
+    #: the next round it arrives in (storage device; checkpointed with the worker); otherwise empty.
+    carry: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 class Algorithm(ABC):
@@ -88,9 +95,10 @@ class Algorithm(ABC):
         """Keep what `worker`'s inner steps produced, after them."""
 
     @abstractmethod
-    def synchronise(self, worker_losses: torch.Tensor, round: int) -> torch.Tensor:
-        """End the round whose per-worker, per-step losses are `worker_losses` ([K, steps]);
-        return the per-step losses of the workers that count (those merged)."""
+    def synchronise(self, worker_losses: torch.Tensor, round: int) -> list[int]:
+        """End the round whose per-worker, per-step losses are `worker_losses` ([K, steps]; 0
+        where a worker took no step); return the local indices of the workers whose losses
+        count (all but those dropped as diverged)."""
 
     def round_metrics(self) -> dict[str, Any]:
         """What the round's last metrics line adds (e.g. bytes sent)."""
@@ -139,8 +147,8 @@ class DataParallel(Algorithm):
     def rows(self, step: int, worker: Worker) -> torch.Tensor:
         return self.dist.shard_rows(self.batches.rows(step, 0, self.cfg.global_batch))
 
-    def synchronise(self, worker_losses: torch.Tensor, round: int) -> torch.Tensor:
-        return worker_losses.mean(dim=0)
+    def synchronise(self, worker_losses: torch.Tensor, round: int) -> list[int]:
+        return [0]
 
 
 class DiLoCo(Algorithm):
@@ -158,10 +166,15 @@ class DiLoCo(Algorithm):
         # Offloaded from a GPU, the workers' state lives in pinned host memory and the next
         # worker's moments are copied to the GPU while the current one trains (`begin_turn`).
         self.overlaps = storage.type == "cpu" and device.type == "cuda"
+        carries = cfg.faults.late_rate > 0 and cfg.faults.late == "carry"
         self.workers = [Worker(w, self.new_optimizer(), self._buffers(),
-                               self._buffers() if cfg.merge.error_feedback else [])
+                               self._buffers() if cfg.merge.error_feedback else [],
+                               self._buffers() if carries else [])
                         for w in dist.comm.local_worker_ids]
-        self.dropped: list[int] = []  # the workers left out of the last round
+        self.dropped: list[int] = []  # the workers left out of the last round as diverged
+        #: The last round's steps of every worker of the run, by global id, and how many it merged.
+        self.worker_steps: list[int] = []
+        self.workers_merged = 0
         self.in_flight = (InFlight(self._buffers(), self.global_params, device, cfg.outer.overlap_steps)
                           if cfg.outer.overlap_steps else None)
         #: Local workers whose next turn starts from their own weights and lands the update in flight.
@@ -242,44 +255,77 @@ class DiLoCo(Algorithm):
         torch._foreach_copy_(worker.delta, self.params)
         worker.optimizer.move_state(self.storage)
 
-    def synchronise(self, worker_losses: torch.Tensor, round: int) -> torch.Tensor:
-        merged, losses = self._kept(worker_losses, round)
+    def synchronise(self, worker_losses: torch.Tensor, round: int) -> list[int]:
+        counted = self._kept(worker_losses, round)
+        participation = self._participation(round, steps=worker_losses.shape[1])
+        if participation is None:
+            return counted
         last = (round + 1) * self.cfg.inner_steps >= self.cfg.train_steps
         if self.in_flight is not None and not last:
-            self.in_flight.start(self._merge(merged, round))
+            self.in_flight.start(self._merge(participation, round))
             self.unlanded = {worker.index for worker in self.workers}
-            return losses
+            return counted
         began = time.perf_counter()
-        run_to_end(self._merge(merged, round).steps)
+        run_to_end(self._merge(participation, round).steps)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the clock must see the merge's kernels end
         seconds = time.perf_counter() - began
         self._ended(seconds, seconds)  # training waits for the whole synchronisation
-        return losses
+        return counted
 
-    def _kept(self, worker_losses: torch.Tensor, round: int) -> tuple[list[Worker], torch.Tensor]:
-        """The workers this round merges (see `on_bad_worker`), and their mean loss per step."""
+    def _kept(self, worker_losses: torch.Tensor, round: int) -> list[int]:
+        """The local indices of the workers whose deltas are fit to merge (see `on_bad_worker`)."""
         kept = list(range(len(self.workers)))
         if self.cfg.on_bad_worker == "drop":
             kept = [i for i in kept if self._healthy(self.workers[i], worker_losses[i])]
             if not kept:
                 raise NonFiniteDeltaError(f"round {round}: every worker's loss or pseudo-gradient is not "
                                           "finite; lower inner.lr or outer.lr")
-        merged = [self.workers[i] for i in kept]
-        self.dropped = [w.index for w in self.workers if w not in merged]
+        self.dropped = [w.index for i, w in enumerate(self.workers) if i not in kept]
         if self.dropped:
             logger.warning("round %d: dropped worker(s) %s (loss or pseudo-gradient not finite); merging the "
                            "others and restarting them from the global model", round, self.dropped)
-        return merged, worker_losses[kept].mean(dim=0)
+        return kept
 
-    def _merge(self, merged: list[Worker], round: int) -> Sync[None]:
-        """Merge `merged`'s deltas and take the outer step (θ_t → θ_{t+1}), as steps."""
+    def _participation(self, round: int, steps: int) -> Participation | None:
+        """Who this round merges, and with which weights: every worker of the run that is neither
+        late (`faults`, drawn alike by every process) nor dropped. None when nobody arrived:
+        θ stays as it is. Carried deltas are folded in or set aside here (`faults.late=carry`)."""
+        workers = range(self.cfg.workers)
+        self.worker_steps = [self.cfg.steps_taken(worker, steps) for worker in workers]
+        arrived = tuple(worker for worker in workers if worker not in self.dropped
+                        and not self.cfg.faults.is_late(self.cfg.seed, round, worker))
+        self.workers_merged = len(arrived)
+        self._carry(arrived)
+        if not arrived:
+            logger.warning("round %d: no worker arrived before the deadline (faults.late_rate=%g); the global model "
+                           "is unchanged", round, self.cfg.faults.late_rate)
+            return None
+        tokens = self.cfg.merge.weighting == "tokens"
+        return Participation(arrived, tuple(float(self.worker_steps[worker]) for worker in arrived) if tokens else None)
+
+    @torch.no_grad()
+    def _carry(self, arrived: tuple[int, ...]) -> None:
+        """`faults.late=carry`: a worker that arrives merges its carried deltas with its own; a
+        late one adds its delta to what it carries, all of it down-weighted once more."""
+        for worker in self.workers:
+            if not worker.carry:
+                continue
+            if worker.index in arrived:
+                torch._foreach_add_(worker.delta, worker.carry)
+                torch._foreach_zero_(worker.carry)
+            else:
+                torch._foreach_add_(worker.carry, worker.delta)
+                torch._foreach_mul_(worker.carry, self.cfg.faults.stale_weight)
+
+    def _merge(self, participation: Participation, round: int) -> Sync[None]:
+        """Merge the deltas of the workers that arrived and take the outer step (θ_t → θ_{t+1}), as steps."""
         # Stored deltas (host memory when offloaded) reach the device a parameter at a time.
-        deltas = {name: [w.delta[i] for w in merged] for i, name in enumerate(self.names)}
-        residuals = ({name: [w.residual[i] for w in merged] for i, name in enumerate(self.names)}
+        deltas = {name: [w.delta[i] for w in self.workers] for i, name in enumerate(self.names)}
+        residuals = ({name: [w.residual[i] for w in self.workers] for i, name in enumerate(self.names)}
                      if self.cfg.merge.error_feedback else None)
-        step = self.outer.start(deltas, round=round, fetch=self._fetch,
-                                workers=[w.index for w in merged] if self.dropped else None, residuals=residuals)
+        step = self.outer.start(deltas, round=round, fetch=self._fetch, participation=participation,
+                                residuals=residuals)
         return Sync(self._after_merge(step.steps), step.stages)
 
     def _after_merge(self, step: Steps[None]) -> Steps[None]:
@@ -307,6 +353,7 @@ class DiLoCo(Algorithm):
                                    "sync_s": self.sync_s, "sync_exposed_s": self.sync_exposed_s}
         if self.dropped:
             metrics["dropped_workers"] = self.dropped
+        metrics.update(worker_steps=self.worker_steps, workers_merged=self.workers_merged)
         self._new_period()
         return metrics
 
@@ -324,6 +371,7 @@ class DiLoCo(Algorithm):
 
     def worker_tensors(self, worker: Worker) -> dict[str, torch.Tensor]:
         tensors = dict(zip((f"w{worker.index}.residual.{name}" for name in self.names), worker.residual))
+        tensors.update(zip((f"w{worker.index}.carry.{name}" for name in self.names), worker.carry))
         if self.in_flight is not None:  # its Δ_r still makes its own weights (`_own_weights`)
             tensors.update(zip((f"w{worker.index}.delta.{name}" for name in self.names), worker.delta))
         return tensors

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import importlib.util
 import math
 import typing
@@ -20,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from isoloco.configbase import check_at_least, check_choice, check_choices, option
+from isoloco.configbase import check_at_least, check_choice, check_choices, check_range, option
 from isoloco.errors import ConfigError
 from isoloco.data import DataConfig
 from isoloco.distributed import DistConfig
@@ -32,6 +33,7 @@ from isoloco.outer import OuterConfig, validate_combination
 
 ALGORITHMS = ("diloco", "dp")
 BAD_WORKER_POLICIES = ("error", "drop")
+LATE_POLICIES = ("drop", "carry")
 
 
 @dataclass
@@ -49,6 +51,34 @@ class LogConfig:
             if getattr(self, key) and not _installed(module):
                 raise ConfigError(f"log.{key}=true needs the {module} package, which is not installed: "
                                   f"pip install 'isoloco[{extra}]', or set log.{key}=false")
+
+
+@dataclass
+class FaultsConfig:
+    """Simulated stragglers: workers that miss a round's deadline, drawn alike in every layout."""
+
+    late_rate: float = option(0.0, "diloco: the probability that a worker misses a round's deadline, drawn "
+                              "independently for each round and worker from (seed, round, worker), so the same in "
+                              "every process layout; in [0, 1)")
+    late: str = option("drop", "a late worker's pseudo-gradient: drop loses it (the worker starts the next round from "
+                       "the new θ and keeps its inner optimizer state, as torchft keeps a replica that fails its "
+                       "commit); carry merges it in the next round the worker arrives, added to its fresh one",
+                       LATE_POLICIES)
+    stale_weight: float = option(0.5, "faults.late=carry: a carried pseudo-gradient is multiplied by this for each "
+                                 "round it waits (staleness-aware down-weighting; docs/fidelity.md); in [0, 1]")
+
+    def validate(self) -> None:
+        check_choices("faults", self)
+        check_range("faults.late_rate", self.late_rate, 0, 1, low_open=False, high_open=True)
+        check_range("faults.stale_weight", self.stale_weight, 0, 1, low_open=False, high_open=False)
+
+    def is_late(self, seed: int, round: int, worker: int) -> bool:
+        """Whether global worker `worker` misses round `round`'s deadline: a hash of (seed, round,
+        worker) against `late_rate`, so every process, layout and resume draws the same."""
+        if not self.late_rate:
+            return False
+        digest = hashlib.blake2b(f"isoloco.faults.late:{seed}:{round}:{worker}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") < self.late_rate * 2**64
 
 
 def _installed(module: str) -> bool:
@@ -85,10 +115,15 @@ class TrainConfig:
     on_bad_worker: str = option("error", "a worker whose loss or pseudo-gradient is not finite: error stops the run "
                                 "(last checkpoint intact); drop merges the others and restarts it from θ",
                                 BAD_WORKER_POLICIES)
+    worker_speeds: list[float] = option(
+        [], "diloco: relative speeds, cycled over the workers (e.g. 1,0.5): in each round worker r takes the first "
+            "H_r = max(1, round(H·s_r / max s)) of its H inner steps (its own micro-batches and the schedule's "
+            "learning rates of those steps) and skips the rest; empty: every worker takes all H")
     data: DataConfig = dataclasses.field(default_factory=DataConfig, metadata={"doc": "data section"})
     inner: InnerConfig = dataclasses.field(default_factory=InnerConfig, metadata={"doc": "inner optimizer section"})
     outer: OuterConfig = dataclasses.field(default_factory=OuterConfig, metadata={"doc": "outer optimizer section"})
     merge: MergeConfig = dataclasses.field(default_factory=MergeConfig, metadata={"doc": "merge rule section"})
+    faults: FaultsConfig = dataclasses.field(default_factory=FaultsConfig, metadata={"doc": "simulated stragglers section"})
     log: LogConfig = dataclasses.field(default_factory=LogConfig, metadata={"doc": "logging section"})
     dist: DistConfig = dataclasses.field(default_factory=DistConfig, metadata={"doc": "multi-process (torchrun) section"})
 
@@ -109,6 +144,15 @@ class TrainConfig:
     def num_workers(self) -> int:
         """Workers that actually train: dp trains one model on the global batch."""
         return 1 if self.algorithm == "dp" else self.workers
+
+    def steps_taken(self, worker: int, steps: int) -> int:
+        """H_r: how many of a round's `steps` inner steps global worker `worker` takes (the
+        round lasts the fastest worker's `steps`; `worker_speeds`, rounded half to even)."""
+        if not self.worker_speeds:
+            return steps
+        speeds = self.worker_speeds
+        fastest = max(speeds[w % len(speeds)] for w in range(self.num_workers))
+        return max(1, round(steps * speeds[worker % len(speeds)] / fastest))
 
     def check_micro_batch(self, sequences: int, holder: str) -> None:
         """Refuse a micro_batch that does not divide the `sequences` that `holder` (each worker,
@@ -140,9 +184,10 @@ class TrainConfig:
                 f"global_batch={self.global_batch} is not divisible by workers={self.workers}: each worker takes "
                 f"global_batch/workers sequences per step; pick a global_batch that is a multiple of {self.workers}")
         self.check_micro_batch(self.global_batch // self.num_workers, "each worker")
-        for section in (self.data, self.inner, self.outer, self.merge, self.dist):
+        for section in (self.data, self.inner, self.outer, self.merge, self.faults, self.dist):
             section.validate()
         validate_combination(self.merge, self.outer)
+        self._check_stragglers()
         overlap = self.outer.overlap_steps
         if overlap >= self.inner_steps:
             raise ConfigError(f"outer.overlap_steps={overlap} is not allowed with inner_steps={self.inner_steps}: a "
@@ -156,6 +201,32 @@ class TrainConfig:
             # A synchronisation in flight ends during a later round: its line would be ambiguous.
             raise ConfigError(f"log.spectra=true is not allowed with outer.overlap_steps={overlap}: set "
                               "outer.overlap_steps=0 to measure the spectra, or log.spectra=false")
+
+
+    def _check_stragglers(self) -> None:
+        """Refuse `worker_speeds` and `faults` where they cannot apply."""
+        speeds, late = self.worker_speeds, self.faults.late_rate
+        if any(not (math.isfinite(speed) and speed > 0) for speed in speeds):
+            raise ConfigError(f"worker_speeds={','.join(f'{speed:g}' for speed in speeds)} is not allowed: every speed must be a "
+                              "number > 0 (relative speeds, e.g. worker_speeds=1,0.5)")
+        for key, value, active in (("worker_speeds", ",".join(f"{speed:g}" for speed in speeds), speeds),
+                                   ("faults.late_rate", late, late)):
+            if active and self.algorithm == "dp":
+                raise ConfigError(f"{key}={value} is not allowed with algorithm=dp: the data-parallel baseline "
+                                  f"trains one model with no workers to slow down or lose; drop {key} or choose a "
+                                  "DiLoCo method (e.g. method=diloco)")
+        if self.faults.late == "carry" and self.on_bad_worker == "drop":
+            raise ConfigError("faults.late=carry is not allowed with on_bad_worker=drop: a dropped worker restarts "
+                              "with a fresh optimizer and has nothing to carry; set on_bad_worker=error or "
+                              "faults.late=drop")
+        for key, value, clash in (("outer.overlap_steps", self.outer.overlap_steps, "a late worker's delta is "
+                                   "also what its own weights are rebuilt from while a synchronisation is in "
+                                   "flight; set outer.overlap_steps=0"),
+                                  ("log.spectra", self.log.spectra, "a process none of whose workers arrived "
+                                   "has no deltas to measure; set log.spectra=false")):
+            if late and value:
+                raise ConfigError(f"faults.late_rate={late} is not allowed with {key}={value}: {clash}, or "
+                                  "faults.late_rate=0")
 
 
 #: The largest share of a round τ/H (outer.overlap_steps/inner_steps) the docs measured as
@@ -234,6 +305,9 @@ def _coerce(key: Key, raw: Any) -> Any:
     tp = key.type
     expected = getattr(tp, "__name__", str(tp))
     if typing.get_origin(tp) is list:
+        numbers = typing.get_args(tp) == (float,)
+        if numbers and isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            raw = [raw]  # one number is a list of one
         if isinstance(raw, str):
             # `a,b` or `[a, b]` (YAML cannot read the bracket form when an item starts with `*`).
             text = raw.strip()
@@ -241,6 +315,8 @@ def _coerce(key: Key, raw: Any) -> Any:
             raw = [item.strip().strip("'\"") for item in text.split(",") if item.strip()]
         if not isinstance(raw, list):
             raise ConfigError(f"{key.name}={raw!r} is not allowed: expected a list (comma-separated)")
+        if numbers:
+            return [_number(key, item, raw) for item in raw]
         return [str(item) for item in raw]
     if tp is bool:
         if isinstance(raw, bool):
@@ -257,6 +333,17 @@ def _coerce(key: Key, raw: Any) -> Any:
         if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
             return str(raw)
     raise ConfigError(f"{key.name}={raw!r} is not allowed: expected {expected}")
+
+
+def _number(key: Key, item: Any, items: list) -> float:
+    """One item of a list of numbers, or the error naming the whole list."""
+    if not isinstance(item, bool):
+        try:
+            return float(item)
+        except (TypeError, ValueError):
+            pass
+    raise ConfigError(f"{key.name}={','.join(map(str, items))} is not allowed: expected numbers separated by commas "
+                      "(e.g. 1,0.5)")
 
 
 def _keys_by_name() -> dict[str, Key]:

@@ -49,6 +49,9 @@ from isoloco.sync.plan import buckets
 
 Fetch = Callable[[torch.Tensor], torch.Tensor]
 
+#: `merge.weighting`: how much each merged worker's pseudo-gradient counts.
+WEIGHTINGS = ("equal", "tokens")
+
 
 # ------------------------------------------------------------------------- configuration
 
@@ -112,6 +115,10 @@ class MergeConfig:
         "fnmatch patterns of parameter names whose 2-D tensors skip the spectral rules "
         "(tsv, iso_c, iso_cts) and take the mean; empty = correct every matrix",
     )
+    weighting: str = option(
+        "equal", "each worker's pseudo-gradient counts equally (equal), or in proportion to the tokens it trained "
+                 "this round (tokens: differs from equal only with worker_speeds; docs/fidelity.md defines it per "
+                 "rule)", choices=WEIGHTINGS)
 
     def validate(self) -> None:
         check_choices("merge", self)
@@ -172,6 +179,34 @@ class MergeConfig:
         return not RULES[self.rule].spectral or (tensor.ndim == 2 and not self.excludes(name))
 
 
+@dataclasses.dataclass(frozen=True)
+class Participation:
+    """The workers one merge counts, by global id, and how much each weighs; every process
+    passes the same (each knows it without communication, e.g. from the seed).
+
+    A worker left out contributes nothing: a sum phase skips it, a gather phase drops its
+    block, and the rule is built for the n workers that arrived (the mean divides by n, TSV
+    keeps ⌊r/n⌋ directions per worker)."""
+
+    arrived: tuple[int, ...]  # global worker ids, ascending
+    weights: tuple[float, ...] | None = None  # one per arrived worker (e.g. tokens trained); None: equal
+
+    def scales(self, workers: int) -> dict[int, float]:
+        """c_r = n·w_r / Σ w, by global id, of a run of `workers` workers. Every rule merges
+        c_r·Δ_r: since Σ c_r = n, the mean's divisor n gives Σ w_r Δ_r / Σ w_r, and equal
+        weights give c_r = 1 exactly (the unweighted merge, bit for bit)."""
+        if not self.arrived or list(self.arrived) != sorted(set(self.arrived)) or not (
+                0 <= self.arrived[0] and self.arrived[-1] < workers):
+            raise ValueError(f"arrived={self.arrived} must be distinct worker ids in 0..{workers - 1}, ascending")
+        weights = self.weights or (1.0,) * len(self.arrived)
+        if len(weights) != len(self.arrived) or not all(w > 0 for w in weights):
+            raise ValueError(f"weights={self.weights} must be one positive weight per arrived worker")
+        if len(set(weights)) == 1:
+            return dict.fromkeys(self.arrived, 1.0)
+        total = sum(weights)
+        return {worker: len(weights) * weight / total for worker, weight in zip(self.arrived, weights)}
+
+
 # ------------------------------------------------------------------------------- helpers
 
 
@@ -195,6 +230,24 @@ def _raise_non_finite(name: str, worker: int, round: int | None) -> None:
         f"that worker's inner training diverged; lower the inner learning rate or "
         f"enable gradient clipping"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Round:
+    """What every stage of one merge reads: the round (DARE's masks, errors), how stored
+    deltas are fetched, and the scale c_r of each arrived worker (`Participation.scales`;
+    None: every worker, unscaled)."""
+
+    number: int | None  # None counts as round 0 for DARE's masks
+    fetch: Fetch | None
+    scales: dict[int, float] | None
+
+    def fetched(self, stored: torch.Tensor) -> torch.Tensor:
+        return self.fetch(stored) if self.fetch else stored
+
+    def scale(self, worker: int) -> float | None:
+        """c_r of global worker `worker`, or None when it did not arrive."""
+        return 1.0 if self.scales is None else self.scales.get(worker)
 
 
 @dataclasses.dataclass
@@ -230,7 +283,7 @@ class Merger:
 
     def start(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None = None,
               fetch: Fetch | None = None, residuals: Mapping[str, Sequence[torch.Tensor]] | None = None,
-              finalize: bool = True) -> Sync[dict[str, torch.Tensor]]:
+              finalize: bool = True, participation: Participation | None = None) -> Sync[dict[str, torch.Tensor]]:
         """The merge of every parameter (`local_deltas[name]`: one delta per local worker, in
         order) across all R workers, as steps that start each stage's collectives and wait for
         them when resumed (`isoloco.sync.handles`); `merge_all` runs them at once.
@@ -243,16 +296,21 @@ class Merger:
 
         With `merge.quantize`, a sum crosses the link compressed (`isoloco.sync.compressed`);
         `residuals` (with `merge.error_feedback`: one per parameter and local worker, like the
-        deltas) hold what earlier compressions lost and are updated in place."""
+        deltas) hold what earlier compressions lost and are updated in place.
+
+        `participation` says which of the R workers count and their weights (every worker
+        alike when None); the deltas of local workers left out are passed too, and not read."""
         if self.cfg.error_feedback and residuals is None:
             raise ValueError("merge.error_feedback needs the workers' residuals: pass residuals=")
-        jobs = self._jobs(local_deltas, residuals if self.cfg.error_feedback else None)
+        scales = participation.scales(self.comm.num_workers) if participation is not None else None
+        jobs = self._jobs(local_deltas, residuals if self.cfg.error_feedback else None,
+                          self.comm.num_workers if scales is None else len(scales))
         limit = int(self.cfg.bucket_mb * 2**20)
         plan = [[jobs[i] for i in bucket]
                 for bucket in buckets([(nbytes(job.deltas[0]), job.deltas[0].dtype) for job in jobs], limit)]
         stages = self._stages(plan)
         finalizing = finalize and any(job.finalize is not None for job in jobs)
-        steps = self._steps(jobs, plan, stages, round, fetch, limit if finalizing else None)
+        steps = self._steps(jobs, plan, stages, _Round(round, fetch, scales), limit if finalizing else None)
         return Sync(steps, sum(self._yields(kind) for _, kind in stages) + finalizing)
 
     def merge_all(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None = None,
@@ -302,23 +360,24 @@ class Merger:
                 if any(len(job.phases) > phase and job.phases[phase].collective == kind
                        for bucket in plan for job in bucket)]
 
-    def _steps(self, jobs: list[_Job], plan: list[list[_Job]], stages: list[tuple[int, str]], round: int | None,
-               fetch: Fetch | None, finalize_limit: int | None) -> Steps[dict[str, torch.Tensor]]:
+    def _steps(self, jobs: list[_Job], plan: list[list[_Job]], stages: list[tuple[int, str]], round: _Round,
+               finalize_limit: int | None) -> Steps[dict[str, torch.Tensor]]:
+        arrived = [index for index, worker in enumerate(self.comm.local_worker_ids) if round.scale(worker) is not None]
         for bucket in plan:
-            bad = _first_non_finite([list(job.deltas) for job in bucket])
+            bad = _first_non_finite([[job.deltas[index] for index in arrived] for job in bucket]) if arrived else None
             if bad is not None:
-                _raise_non_finite(bucket[bad[0]].name, self.comm.local_worker_ids[bad[1]], round)
+                _raise_non_finite(bucket[bad[0]].name, self.comm.local_worker_ids[arrived[bad[1]]], round.number)
         for phase, kind in stages:
             parts = [[job for job in bucket if len(job.phases) > phase and job.phases[phase].collective == kind]
                      for bucket in plan]
             parts = [part for part in parts if part]
             if kind == "sum" and self._compressed:
-                yield from lockstep([self._compressed_sum(part, phase, round or 0, fetch) for part in parts])
+                yield from lockstep([self._compressed_sum(part, phase, round) for part in parts])
             else:
-                started = [self._start_phase(part, phase, kind, round or 0, fetch) for part in parts]
+                started = [self._start_phase(part, phase, kind, round) for part in parts]
                 yield [handle for handle, _ in started]
                 for part, (handle, offsets) in zip(parts, started):
-                    self._combine(part, phase, kind, handle.wait(), offsets)
+                    self._combine(part, phase, kind, handle.wait(), offsets, round.scales)
         merged = {job.name: job.state for job in jobs}
         if finalize_limit is not None:
             yield from self._finalize(jobs, merged, finalize_limit)
@@ -331,7 +390,7 @@ class Merger:
         return lambda merged: finalize(merged, knobs)
 
     def _jobs(self, local_deltas: Mapping[str, Sequence[torch.Tensor]],
-              residuals: Mapping[str, Sequence[torch.Tensor]] | None = None) -> list[_Job]:
+              residuals: Mapping[str, Sequence[torch.Tensor]] | None, merged: int) -> list[_Job]:
         workers = self.comm.local_worker_ids
         jobs = []
         for name, deltas in local_deltas.items():
@@ -342,54 +401,73 @@ class Merger:
                 )
             rule = self._rule.phases if self.cfg.applies(name, deltas[0]) else mean_phases
             jobs.append(_Job(name, deltas, residuals[name] if residuals is not None else None,
-                             rule(deltas[0].shape, self.comm.num_workers, self._knobs),
+                             rule(deltas[0].shape, merged, self._knobs),
                              self._finalize_of(name, deltas[0]), memos=[{} for _ in workers]))
         return jobs
 
-    def _contributions(self, jobs: list[_Job], phase: int, round: int, fetch: Fetch | None,
-                       each: bool) -> list[torch.Tensor]:
-        """Every local worker's contribution to phase `phase` of `jobs`, laid end to end: one
-        buffer per worker (`each`), or their sum in worker order."""
+    def _contributions(self, jobs: list[_Job], phase: int, round: _Round, each: bool) -> dict[int | None, torch.Tensor]:
+        """The contributions to phase `phase` of `jobs` of the local workers that arrived, laid
+        end to end: one buffer per worker, by global id (`each`), or their sum in worker order
+        (key None); empty when none of this process's workers arrived."""
         sizes = [math.prod(job.phases[phase].shape) for job in jobs]
         offsets = [0, *itertools.accumulate(sizes)][:-1]
-        buffers: list[torch.Tensor] = []
+        buffers: dict[int | None, torch.Tensor] = {}
         for index, worker in enumerate(self.comm.local_worker_ids):
-            if each or index == 0:
-                buffers.append(None)
+            scale = round.scale(worker)
+            if scale is None:  # it did not arrive: it contributes nothing
+                continue
+            key = worker if each else None
+            first = key not in buffers
             for job, offset, size in zip(jobs, offsets, sizes):
-                delta = fetch(job.deltas[index]) if fetch else job.deltas[index]
-                if buffers[-1] is None:  # allocated where the deltas are fetched to
-                    buffers[-1] = torch.empty(sum(sizes), dtype=delta.dtype, device=delta.device)
-                target = buffers[-1][offset:offset + size].view(job.phases[phase].shape)
-                slot = WorkerSlot(worker, each or index == 0, mask_key(self.seed, worker, round, job.name),
-                                  job.memos[index])
+                delta = round.fetched(job.deltas[index])
+                if scale != 1:
+                    delta = delta * scale
+                if key not in buffers:  # allocated where the deltas are fetched to
+                    buffers[key] = torch.empty(sum(sizes), dtype=delta.dtype, device=delta.device)
+                target = buffers[key][offset:offset + size].view(job.phases[phase].shape)
+                slot = WorkerSlot(worker, first, mask_key(self.seed, worker, round.number or 0, job.name),
+                                  job.memos[index], scale)
                 job.phases[phase].contribute(target, delta, slot, job.state)
                 del delta  # the fetched copy goes before the next one comes
         return buffers
 
-    def _start_phase(self, jobs: list[_Job], phase: int, collective: str, round: int,
-                     fetch: Fetch | None) -> tuple[Pending, list[int]]:
+    def _start_phase(self, jobs: list[_Job], phase: int, collective: str, round: _Round) -> tuple[Pending, list[int]]:
         """Start phase `phase` of `jobs`: one collective for all; returns its handle and the
-        offsets of the jobs in its buffer."""
-        buffers = self._contributions(jobs, phase, round, fetch, each=collective == "gather")
+        offsets of the jobs in its buffer. Workers that did not arrive send zeros (the
+        collective's shapes are the same on every process) and are left out by `_combine`."""
+        buffers = self._contributions(jobs, phase, round, each=collective == "gather")
         sizes = [math.prod(job.phases[phase].shape) for job in jobs]
         offsets = [0, *itertools.accumulate(sizes)][:-1]
-        handle = self.comm.sum_async(buffers[0]) if collective == "sum" else self.comm.gather_async(buffers)
+        if collective == "sum":
+            handle = self.comm.sum_async(buffers[None] if buffers else self._zeros(jobs, sum(sizes), round))
+        else:
+            handle = self.comm.gather_async([buffers[worker] if worker in buffers else
+                                             self._zeros(jobs, sum(sizes), round)
+                                             for worker in self.comm.local_worker_ids])
         return handle, offsets
 
     @staticmethod
-    def _combine(jobs: list[_Job], phase: int, collective: str, result: Any, offsets: list[int]) -> None:
+    def _zeros(jobs: list[_Job], size: int, round: _Round) -> torch.Tensor:
+        """What a worker that did not arrive sends: zeros of the deltas' dtype where they are fetched to."""
+        where = round.fetched(jobs[0].deltas[0].reshape(-1)[:0])
+        return torch.zeros(size, dtype=where.dtype, device=where.device)
+
+    @staticmethod
+    def _combine(jobs: list[_Job], phase: int, collective: str, result: Any, offsets: list[int],
+                 scales: Mapping[int, float] | None) -> None:
+        # A gather's blocks come in global worker order; those of workers that did not arrive are dropped.
+        blocks = result if collective == "sum" or scales is None else [
+            flat for worker, flat in enumerate(result) if worker in scales]
         for job, offset in zip(jobs, offsets):
             shape = job.phases[phase].shape
             size = math.prod(shape)
             if collective == "sum":
-                job.state = job.phases[phase].combine(result[offset:offset + size].view(shape), job.state)
+                job.state = job.phases[phase].combine(blocks[offset:offset + size].view(shape), job.state)
             else:
-                stacked = torch.stack([flat[offset:offset + size].view(shape) for flat in result])
+                stacked = torch.stack([flat[offset:offset + size].view(shape) for flat in blocks])
                 job.state = job.phases[phase].combine(stacked, job.state)
 
-    def _compressed_sum(self, jobs: list[_Job], phase: int, round: int,
-                        fetch: Fetch | None) -> Steps[None]:
+    def _compressed_sum(self, jobs: list[_Job], phase: int, round: _Round) -> Steps[None]:
         """A sum phase of `jobs` that crosses the link compressed (`isoloco.sync.compressed`).
         The simulator plays every worker as an island; a process of a distributed run is (a
         slice of) one island, whose workers' contributions are added up first."""
@@ -399,15 +477,18 @@ class Merger:
             wire_nbytes(math.prod(shape), quantization, quantization.group_size(shape)) for shape in shapes)
         stored = [job.residuals for job in jobs] if jobs[0].residuals is not None else None
         if self._simulated_islands:
-            buffers = self._contributions(jobs, phase, round, fetch, each=True)
+            # Every worker that arrived is an island; the others' residuals wait for their next merge.
+            buffers = self._contributions(jobs, phase, round, each=True)
+            arrived = [index for index, worker in enumerate(self.comm.local_worker_ids) if worker in buffers]
             route = choose_route(len(buffers))
             for index, job in enumerate(jobs):
                 size, offset = math.prod(shapes[index]), sum(math.prod(s) for s in shapes[:index])
-                inputs = [buffer[offset:offset + size].view(shapes[index]) for buffer in buffers]
-                residuals = None if stored is None else [fetch(r) if fetch else r for r in stored[index]]
+                inputs = [buffer[offset:offset + size].view(shapes[index]) for buffer in buffers.values()]
+                kept_residuals = None if stored is None else [stored[index][i] for i in arrived]
+                residuals = None if stored is None else [round.fetched(r) for r in kept_residuals]
                 total = reference_sum(inputs, quantization, route, residuals)
                 if residuals is not None:
-                    for kept, residual in zip(stored[index], residuals):
+                    for kept, residual in zip(kept_residuals, residuals):
                         if kept is not residual:
                             kept.copy_(residual)
                 job.state = job.phases[phase].combine(total.to(job.deltas[0].dtype), job.state)
@@ -415,11 +496,14 @@ class Merger:
         if self.comm.islands == 1:
             raise ConfigError(f"merge.quantize={self.cfg.quantize} needs isoloco's own process groups: "
                               f"{type(self.comm).__name__} carries float32 sums only; use merge.quantize=none")
-        (buffer,) = self._contributions(jobs, phase, round, fetch, each=False)
         sizes = [math.prod(shape) for shape in shapes]
+        buffers = self._contributions(jobs, phase, round, each=False)
+        buffer = buffers[None] if buffers else self._zeros(jobs, sum(sizes), round)
         inputs = [part.view(shape) for part, shape in zip(torch.split(buffer, sizes), shapes)]
-        # The island's residual lives with its first worker (the others' stay zero).
-        residuals = None if stored is None else [fetch(r[0]) if fetch else r[0] for r in stored]
+        # The island's residual lives with its first worker (the others' stay zero); an island
+        # none of whose workers arrived sends zeros and keeps its residual for its next merge,
+        # as the simulator's islands do.
+        residuals = None if stored is None or not buffers else [round.fetched(r[0]) for r in stored]
         totals = yield from distributed_sum(self.comm, inputs, quantization, residuals)
         if residuals is not None:
             for kept, residual in zip(stored, residuals):

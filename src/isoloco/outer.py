@@ -18,10 +18,10 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from isoloco.comm import Communicator, LocalCommunicator
+from isoloco.comm import Communicator
 from isoloco.configbase import check_choices, check_positive, check_range, option
 from isoloco.errors import ConfigError
-from isoloco.merge import MergeConfig, Merger
+from isoloco.merge import MergeConfig, Merger, Participation
 from isoloco.ortho import IsoSettings, iso_correct
 from isoloco.spectra import SpectraProbe
 from isoloco.sync.handles import Steps, Sync, run_to_end
@@ -225,9 +225,8 @@ class OuterStep:
         if len(self._params) != len(self.named_params):
             raise ValueError("parameter names must be unique")
         self.comm = comm
-        self.seed = seed
-        self.aggregation = dataclasses.replace(merge, rule="mean") if outer.iso_placement == "update" else merge
-        self.merger = Merger(self.aggregation, comm, seed)
+        aggregation = dataclasses.replace(merge, rule="mean") if outer.iso_placement == "update" else merge
+        self.merger = Merger(aggregation, comm, seed)
         self.optimizer = build_outer_optimizer(self.named_params, merge, outer, comm)
         #: Measures every outer step's spectra once `measure_spectra` is called (`log.spectra`).
         self.spectra: SpectraProbe | None = None
@@ -239,39 +238,39 @@ class OuterStep:
 
     def step(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int,
              fetch: Callable[[torch.Tensor], torch.Tensor] | None = None,
-             workers: list[int] | None = None,
+             participation: Participation | None = None,
              residuals: Mapping[str, Sequence[torch.Tensor]] | None = None) -> None:
         """One outer step, run at once (see `start`)."""
-        run_to_end(self.start(local_deltas, round, fetch, workers, residuals).steps)
+        run_to_end(self.start(local_deltas, round, fetch, participation, residuals).steps)
 
     def start(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int,
               fetch: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              workers: list[int] | None = None,
+              participation: Participation | None = None,
               residuals: Mapping[str, Sequence[torch.Tensor]] | None = None) -> Sync[None]:
         """One outer step as steps (`isoloco.sync.handles`): the merge's stages, then the
         optimizer step on θ. `local_deltas[name]` holds θ − θ_r for each local worker r, in the
         communicator's order; the deltas are only read, so the caller may reuse their storage
         once the steps have ended. `fetch` brings stored deltas to the compute device, one
-        parameter at a time (see `Merger.start`). `workers`: the global ids of the workers whose
-        deltas these are, when not all of this process's (a round that dropped a diverged
-        worker; in one process only), so the merge averages over them alone. `residuals`: the
-        workers' error-feedback residuals, like the deltas (see `Merger.start`)."""
+        parameter at a time (see `Merger.start`). `participation`: the workers this step merges
+        and their weights, when not every worker alike (a round that left out a late or diverged
+        worker, or weighs workers by their tokens); the merge normalises by those that arrived.
+        `residuals`: the workers' error-feedback residuals, like the deltas (see `Merger.start`)."""
         if set(local_deltas) != set(self._params):
             missing = sorted(set(self._params) - set(local_deltas))
             unexpected = sorted(set(local_deltas) - set(self._params))
             raise ValueError(
                 f"local_deltas must hold one entry per parameter; missing {missing}, unexpected {unexpected}"
             )
-        merger = self._merger_of(workers)
-        merge = merger.start({name: local_deltas[name] for name, _ in self.named_params}, round, fetch, residuals)
-        return Sync(self._apply(merger, merge.steps, local_deltas, fetch), merge.stages)
+        merge = self.merger.start({name: local_deltas[name] for name, _ in self.named_params}, round, fetch,
+                                  residuals, participation=participation)
+        if participation is not None:  # the spectra measure the merged workers' deltas
+            arrived = [i for i, w in enumerate(self.comm.local_worker_ids) if w in participation.arrived]
+            local_deltas = {name: [deltas[i] for i in arrived] for name, deltas in local_deltas.items()}
+        return Sync(self._apply(merge.steps, local_deltas, fetch), merge.stages)
 
-    def _apply(self, merger: Merger, merge: Steps[dict[str, torch.Tensor]],
-               local_deltas: Mapping[str, Sequence[torch.Tensor]],
+    def _apply(self, merge: Steps[dict[str, torch.Tensor]], local_deltas: Mapping[str, Sequence[torch.Tensor]],
                fetch: Callable[[torch.Tensor], torch.Tensor] | None) -> Steps[None]:
         merged_all = yield from merge
-        if merger is not self.merger:  # the round's bytes are counted with the run's
-            self.comm.bytes_sent_per_worker += merger.comm.reset_bytes()
         for name, param in self.named_params:
             merged = merged_all[name]
             if merged.shape != param.shape:
@@ -288,13 +287,6 @@ class OuterStep:
             return nullcontext()
         matrices = [(name, param) for name, param in self.named_params if param.ndim == 2]
         return self.spectra.observe(matrices, local_deltas, fetch)
-
-    def _merger_of(self, workers: list[int] | None) -> Merger:
-        if workers is None or workers == self.comm.local_worker_ids:
-            return self.merger
-        if not isinstance(self.comm, LocalCommunicator):
-            raise ValueError(f"merging workers {workers} alone needs every worker in this process (the simulator)")
-        return Merger(self.aggregation, LocalCommunicator(worker_ids=workers), self.seed)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A flat snapshot (copies) of the momentum buffers, ``momentum_buffer.<param>``, which

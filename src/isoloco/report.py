@@ -79,6 +79,8 @@ class RunResult:
     above_after_first: bool = False
     wire_bytes: float | None = None  # cross-island bytes over the run, all processes (newer runs only)
     exposed_sync_s: float | None = None  # synchronisation seconds training waited for (newer runs only)
+    # (step, workers merged) of each round (DiLoCo runs since issue 32): fewer than R with late workers.
+    participation: tuple[tuple[int, int], ...] = ()
     # The variant, plus its values of the settings other methods vary that apply to it: what the
     # tables show, so that a method run with one setting does not read as "—" beside the others.
     shown_variant: str = ""
@@ -118,19 +120,22 @@ def _sort_key(run: RunResult) -> tuple:
             run.seed, run.name)
 
 
-def _read_curve(path: Path) -> tuple[tuple[int, int, float], ...]:
-    """(step, tokens, validation loss) of metrics.jsonl; a torn last line of a run in progress is skipped."""
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The lines of metrics.jsonl; a torn last line of a run in progress is skipped, and so is a missing file."""
     if not path.is_file():
-        return ()
-    points = []
+        return []
+    records = []
     for line in path.read_text().splitlines():
         try:
-            record = json.loads(line)
+            records.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-        if "val_loss" in record:
-            points.append((int(record["step"]), int(record["tokens"]), float(record["val_loss"])))
-    return tuple(points)
+    return records
+
+
+def _read_curve(records: list[dict[str, Any]]) -> tuple[tuple[int, int, float], ...]:
+    """(step, tokens, validation loss) of each evaluation."""
+    return tuple((int(r["step"]), int(r["tokens"]), float(r["val_loss"])) for r in records if "val_loss" in r)
 
 
 #: Every config key at its default, for configs written before a key existed.
@@ -147,7 +152,8 @@ def load_run(run_dir: Path) -> RunResult:
     settings = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
                 if k not in EXECUTION_KEYS and k not in ("seed", "method", "workers", "inner_steps")}
     settings["processes"] = summary.get("processes", 1)
-    evaluations = _read_curve(run_dir / METRICS_FILE)
+    records = _records(run_dir / METRICS_FILE)
+    evaluations = _read_curve(records)
     peak = max(evaluations, key=lambda point: point[2], default=None)
     unigram = summary.get("unigram_baseline")
     return RunResult(
@@ -161,6 +167,7 @@ def load_run(run_dir: Path) -> RunResult:
         peak=None if peak is None else (peak[0], peak[2]),
         above_after_first=unigram is not None and any(loss > unigram for *_, loss in evaluations[1:]),
         wire_bytes=summary.get("cross_island_wire_bytes"), exposed_sync_s=summary.get("exposed_sync_seconds"),
+        participation=tuple((int(r["step"]), int(r["workers_merged"])) for r in records if "workers_merged" in r),
         settings=tuple(sorted(settings.items())))
 
 
@@ -678,6 +685,32 @@ def _curves(runs: list[RunResult]) -> Any:
     return fig
 
 
+def _partial(run: RunResult) -> bool:
+    """Whether some round of the run merged fewer than all its workers (`faults.late_rate`)."""
+    return any(merged < run.workers for _, merged in run.participation)
+
+
+def _participation(runs: list[RunResult]) -> Any:
+    """Workers merged in each round, one step line per run whose participation varied."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(7.0, 3.4), layout="constrained")
+    ax = fig.subplots()
+    partial = sorted((r for r in runs if _partial(r)), key=_sort_key)
+    for index, run in enumerate(partial):
+        # Runs with the same seed draw the same late workers: dodged apart so each stays visible.
+        ax.plot([_dodge(step, index, len(partial)) for step, _ in run.participation],
+                [merged for _, merged in run.participation], marker="o", label=run.name)
+    ax.set_ylim(-0.2, max(r.workers for r in partial) + 0.2)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step (end of the round)")
+    ax.set_ylabel("workers merged")
+    ax.grid(True, alpha=0.3)
+    fig.legend(loc="outside right upper", fontsize="small")
+    return fig
+
+
 def write_plots(runs: list[RunResult], folder: Path) -> list[tuple[str, str]]:
     """Write every plot that has data; return (file name, caption) pairs in a fixed order."""
     import matplotlib.style
@@ -702,6 +735,9 @@ def write_plots(runs: list[RunResult], folder: Path) -> list[tuple[str, str]]:
         if any(r.curve for r in runs):
             _save(_curves(runs), folder / "val_curves.png")
             written.append(("val_curves.png", "Validation loss curves"))
+        if any(_partial(r) for r in runs if not r.is_dp):
+            _save(_participation([r for r in runs if not r.is_dp]), folder / "participation.png")
+            written.append(("participation.png", "Workers merged per round"))
     return written
 
 

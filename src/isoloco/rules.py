@@ -37,6 +37,9 @@ class WorkerSlot:
     first: bool  # the first local worker of a sum phase: write into the buffer, do not add
     mask_key: int  # DARE: the key of this worker's mask for this parameter and round
     memo: dict[str, Any]  # kept for this worker and parameter from one phase to the next
+    #: c_r, the worker's share of the merge: the engine hands `contribute` c_r·Δ_r already
+    #: (`isoloco.merge.Participation`); a rule that counts entries counts c_r instead of 1.
+    weight: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +114,8 @@ def ties_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]:
 
     γ = sign(Σ_r trimmed_r) (0 counts as +, as in peft's "total" method); the result is
     Σ_r trimmed_r·[sign(trimmed_r) = γ] / max(#agreeing nonzero entries, 1). The masked sum
-    and the count travel as one (2, ...) buffer.
+    and the count travel as one (2, ...) buffer. Weighted (deltas c_r·Δ_r), an agreeing entry
+    counts c_r: the result is the weighted mean of the agreeing entries.
     """
 
     def trimmed_sum(buffer, delta, slot, state):
@@ -122,10 +126,17 @@ def ties_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]:
         kept = delta.abs() >= slot.memo["threshold"]
         agrees = kept & torch.where(positive, delta > 0, delta < 0)
         _put(buffer[0], delta * agrees, slot)
-        _put(buffer[1], agrees, slot)
+        _put(buffer[1], agrees if slot.weight == 1 else agrees * slot.weight, slot)
 
     return [Phase("sum", tuple(shape), trimmed_sum, lambda total, state: total >= 0),
-            Phase("sum", (2, *shape), agreeing, lambda totals, state: totals[0] / totals[1].clamp_min(1), exact=True)]
+            Phase("sum", (2, *shape), agreeing, _agreeing_mean, exact=True)]
+
+
+def _agreeing_mean(totals: torch.Tensor, state: Any) -> torch.Tensor:
+    """The agreeing entries' sum over their count; where none agree the sum is 0 and stays 0
+    (weighted counts may be below 1, so the count is not clamped to 1)."""
+    counts = totals[1]
+    return totals[0] / torch.where(counts > 0, counts, torch.ones_like(counts))
 
 
 # ------------------------------------------------------------------------------ DARE

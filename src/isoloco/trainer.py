@@ -150,10 +150,12 @@ class Trainer:
     # -- one round ---------------------------------------------------------------------------
 
     def take_turn(self, worker: Worker, start: int, end: int) -> torch.Tensor:
-        """Train one worker for steps [start, end); return its per-step losses."""
+        """Train one worker for its share of steps [start, end): the first H_r of them
+        (`worker_speeds`), at their learning rates and on its rows of their batches; return
+        its per-step losses (H_r of them)."""
         self.algorithm.begin_turn(worker)
-        losses = torch.zeros(end - start, device=self.device)
-        for step in range(start, end):
+        losses = torch.zeros(self.cfg.steps_taken(worker.index, end - start), device=self.device)
+        for step in range(start, start + len(losses)):
             self.algorithm.before_step(worker, step - start)
             losses[step - start] = self._forward_backward(self.algorithm.rows(step, worker))
             self.dist.average_gradients(self.params)
@@ -166,9 +168,16 @@ class Trainer:
 
     def train_round(self, start: int, end: int) -> torch.Tensor:
         """One round (dp: one segment of H steps); the mean loss per step over the workers that
-        count (see `on_bad_worker`), across processes."""
-        worker_losses = torch.stack([self.take_turn(w, start, end) for w in self.workers])
-        return self.dist.mean(self.algorithm.synchronise(worker_losses, round=start // self.cfg.inner_steps))
+        count (see `on_bad_worker`) and took that step, across processes."""
+        worker_losses = torch.zeros(len(self.workers), end - start, device=self.device)
+        taken = torch.zeros_like(worker_losses)  # 1 where the worker took the step
+        for losses, took, worker in zip(worker_losses, taken, self.workers):
+            own = self.take_turn(worker, start, end)
+            losses[:len(own)], took[:len(own)] = own, 1
+        counted = self.algorithm.synchronise(worker_losses, round=start // self.cfg.inner_steps)
+        totals = self.dist.sum(torch.stack([(worker_losses[counted] * taken[counted]).sum(dim=0),
+                                            taken[counted].sum(dim=0)]))
+        return totals[0] / totals[1]
 
     # -- evaluation ----------------------------------------------------------------------------
 
