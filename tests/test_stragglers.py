@@ -279,14 +279,16 @@ def test_a_resumed_run_with_carried_deltas_equals_an_uninterrupted_one(tmp_path)
     assert [m.get("workers_merged") for m in ours] == [m.get("workers_merged") for m in theirs]
 
 
-def test_speeds_work_with_overlap_when_a_turn_is_shorter_than_tau(tmp_path):
-    """H = 4, τ = 2, speeds 1 and 0.25: the slow workers' turns (1 step) end before step τ,
-    so the update in flight lands at the end of their turns."""
-    trainer = train(tmp_path, "overlap", steps=8, inner_steps=4, eval_every=8, method="isoloco",
-                    worker_speeds="1,0.25", **{"outer.overlap_steps": 2})
+def test_speeds_work_with_overlap(tmp_path):
+    """H = 4, τ = 1, speeds 1 and 0.5: every turn (4 or 2 steps) lands the update in flight
+    before its second step, and the slow workers' deltas hold their own progress."""
+    store = {}
+    trainer = train(tmp_path, "overlap", [capture_deltas(store)], steps=8, inner_steps=4, eval_every=8,
+                    method="isoloco", worker_speeds="1,0.5", **{"outer.overlap_steps": 1})
     records = [m for m in read_metrics(trainer.out_dir / "metrics.jsonl") if "worker_steps" in m]
-    assert [m["worker_steps"] for m in records] == [[4, 1, 4, 1]] * 2
+    assert [m["worker_steps"] for m in records] == [[4, 2, 4, 2]] * 2
     assert all(torch.isfinite(p).all() for p in trainer.global_params)
+    assert all(d.abs().sum() > 0 for d in store[(4, 1)] if d.ndim == 2)
 
 
 # -- refusals -------------------------------------------------------------------------------------
@@ -303,6 +305,8 @@ def test_speeds_work_with_overlap_when_a_turn_is_shorter_than_tau(tmp_path):
     ({"method": "dp", "faults.late_rate": 0.2}, "faults.late_rate=0.2 is not allowed with algorithm=dp"),
     ({"faults.late_rate": 0.2, "outer.overlap_steps": 1}, "not allowed with outer.overlap_steps=1"),
     ({"faults.late_rate": 0.2, "log.spectra": True}, "not allowed with log.spectra=True"),
+    ({"worker_speeds": "1,0.25", "inner_steps": 4, "outer.overlap_steps": 1},
+     "worker_speeds=1,0.25 is not allowed with outer.overlap_steps=1: the slowest worker takes 1 of inner_steps=4"),
 ])
 def test_bad_straggler_settings_are_refused(overrides, words):
     with pytest.raises(ConfigError) as refused:

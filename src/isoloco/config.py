@@ -206,10 +206,20 @@ class TrainConfig:
     def _check_stragglers(self) -> None:
         """Refuse `worker_speeds` and `faults` where they cannot apply."""
         speeds, late = self.worker_speeds, self.faults.late_rate
+        shown = ",".join(f"{speed:g}" for speed in speeds)
         if any(not (math.isfinite(speed) and speed > 0) for speed in speeds):
-            raise ConfigError(f"worker_speeds={','.join(f'{speed:g}' for speed in speeds)} is not allowed: every speed must be a "
-                              "number > 0 (relative speeds, e.g. worker_speeds=1,0.5)")
-        for key, value, active in (("worker_speeds", ",".join(f"{speed:g}" for speed in speeds), speeds),
+            raise ConfigError(f"worker_speeds={shown} is not allowed: every speed must be a number > 0 (relative "
+                              "speeds, e.g. worker_speeds=1,0.5)")
+        overlap = self.outer.overlap_steps
+        slowest = min(self.steps_taken(worker, self.inner_steps) for worker in range(self.num_workers))
+        if speeds and overlap and slowest <= overlap:
+            # Its whole turn would train from its own weights and end by landing θ_{t+1}: its Δ
+            # would hold no progress of its own, yet count in the merge.
+            raise ConfigError(f"worker_speeds={shown} is not allowed with outer.overlap_steps={overlap}: the slowest "
+                              f"worker takes {slowest} of inner_steps={self.inner_steps} steps, so the update in "
+                              "flight lands only as its turn ends and its pseudo-gradient holds nothing of its own; "
+                              f"use outer.overlap_steps < {slowest} or raise the slowest speed")
+        for key, value, active in (("worker_speeds", shown, speeds),
                                    ("faults.late_rate", late, late)):
             if active and self.algorithm == "dp":
                 raise ConfigError(f"{key}={value} is not allowed with algorithm=dp: the data-parallel baseline "
