@@ -55,15 +55,22 @@ UNSUPPORTED = {
                                "isoloco train / isoloco launch"),
     "outer.overlap_steps": (0, "torchft overlaps a synchronisation its own way: drop it and use --fragments N "
                                "--sync-delay STEPS"),
+    "merge.weighting": ("equal", "torchft's quorum merges its groups with equal weights; drop it, or weigh by "
+                                 "tokens with isoloco train / isoloco launch"),
+    "faults.late_rate": (0.0, "torchft's own quorum decides who merges; drop it, or simulate late workers with "
+                              "isoloco train"),
+    "worker_speeds": ([], "every group trains H steps a round here; drop it, or simulate unequal workers with "
+                          "isoloco train"),
 }
 
 
 def check_example_config(cfg: TrainConfig, fragments: int) -> None:
     """Refuse, in one line, what this example would silently not do."""
     for key, (off, instead) in UNSUPPORTED.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value != off:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if (list(value) if isinstance(value, tuple) else value) != off:
             raise ConfigError(f"{key}={value} is not supported by the torchft example: {instead}")
     layers = MODEL_PRESETS[cfg.model].layers
     if not 1 <= fragments <= layers:

@@ -44,6 +44,13 @@ def example_env() -> dict[str, str]:
                               "float32 pseudo-gradients; drop it, or compress with isoloco train / isoloco launch"),
     (["outer.overlap_steps=1"], "outer.overlap_steps=1 is not supported by the torchft example: torchft overlaps a "
                                 "synchronisation its own way: drop it and use --fragments N --sync-delay STEPS"),
+    (["merge.weighting=tokens"], "merge.weighting=tokens is not supported by the torchft example: torchft's quorum "
+                                 "merges its groups with equal weights; drop it, or weigh by tokens with isoloco train "
+                                 "/ isoloco launch"),
+    (["faults.late_rate=0.3"], "faults.late_rate=0.3 is not supported by the torchft example: torchft's own quorum "
+                               "decides who merges; drop it, or simulate late workers with isoloco train"),
+    (["worker_speeds=1,0.5"], "worker_speeds=[1.0, 0.5] is not supported by the torchft example: every group trains "
+                              "H steps a round here; drop it, or simulate unequal workers with isoloco train"),
     (["--fragments", "0"], f"--fragments 0 {FRAGMENTS}"),
     (["--fragments", "-1"], f"--fragments -1 {FRAGMENTS}"),
     (["--fragments", "5"], f"--fragments 5 {FRAGMENTS}"),
