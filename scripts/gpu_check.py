@@ -285,13 +285,13 @@ def overlap(setting: Setting, workdir: Path) -> list[Row]:
     numbers), and over NCCL between two islands of one GPU (against one process), where the
     collectives start from the main thread between inner steps."""
     rows = []
-    stream = train(workdir / "overlap-device", method="isoloco", device=setting.device, **OVERLAP)
-    cpu = train(workdir / "overlap-cpu", method="isoloco", device="cpu", **OVERLAP)
-    worst = max(relative(a.cpu(), b) for a, b in zip(stream.global_params, cpu.global_params))
     limit = ISLAND_LIMITS[setting.device]
-    rows.append(Row(f"an overlapped int8 synchronisation on {setting.device}"
-                    + (" (a side stream)" if setting.device == "cuda" else "") + " vs the CPU",
-                    f"largest relative difference of θ {worst:.1e}", f"≤ {limit:g}", worst <= limit))
+    if setting.device != "cpu":  # on the CPU (the dry run) it would compare a run with itself
+        stream = train(workdir / "overlap-device", method="isoloco", device=setting.device, **OVERLAP)
+        cpu = train(workdir / "overlap-cpu", method="isoloco", device="cpu", **OVERLAP)
+        worst = max(relative(a.cpu(), b) for a, b in zip(stream.global_params, cpu.global_params))
+        rows.append(Row(f"an overlapped int8 synchronisation on {setting.device} (a side stream) vs the CPU",
+                        f"largest relative difference of θ {worst:.1e}", f"≤ {limit:g}", worst <= limit))
     name = f"two islands of one {'GPU (NCCL)' if setting.device == 'cuda' else 'CPU process'}, overlapped, vs one process"
     if setting.device == "cuda" and torch.cuda.device_count() < 2:
         return rows + [Row(name, f"skipped: {torch.cuda.device_count()} GPU visible, two needed", "—", None)]
