@@ -130,9 +130,9 @@ def early_label(steps: int | None = 60, power: float = 0.0, floor: float = 0.0, 
 #: scripts/early_budget.sh's variants, as `early_label` arguments.
 EARLY_VARIANTS = ({"power": 0.5}, {"floor": 0.1}, {"exclude": "*embed_tokens*,lm_head.weight"})
 def compressed_label(method: str, quantize: str = "none", feedback: bool = False) -> str:
-    """A run label of the compressed-science view: the method at its tuned outer step."""
-    tuned = TUNED_DILOCO if method == "diloco" else TUNED_ISOLOCO
-    return f"{method} merge.error_feedback={feedback} merge.quantize={quantize}{tuned.removeprefix(method)}"
+    """A run label of the compressed-science view (each method at its tuned outer step, which
+    its runs share, so the label leaves it out)."""
+    return f"{method} merge.error_feedback={feedback} merge.quantize={quantize}"
 
 
 #: scripts/compressed_science.sh's settings other than the exact one, as `compressed_label` arguments.
