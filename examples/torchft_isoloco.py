@@ -53,6 +53,8 @@ DEFAULTS = {"workers": 2, "steps": 60, "inner_steps": 20, "checkpoint_every": 0}
 UNSUPPORTED = {
     "merge.quantize": ("none", "this example all-reduces float32 pseudo-gradients; drop it, or compress with "
                                "isoloco train / isoloco launch"),
+    "merge.compress": ("none", "this example all-reduces whole pseudo-gradients; drop it, or compress with "
+                               "isoloco train / isoloco launch"),
     "outer.overlap_steps": (0, "torchft overlaps a synchronisation its own way: drop it and use --fragments N "
                                "--sync-delay STEPS"),
     "merge.weighting": ("equal", "torchft's quorum merges its groups with equal weights; drop it, or weigh by "

@@ -167,5 +167,11 @@ def test_the_link_tables_and_plot_cover_every_case(tmp_path):
     assert len(islands.rows) == 4 and islands.rows[0][:2] == ["2", "8"]
     assert islands.rows[0][4].endswith("0.250×")
     assert rounds.rows[0] == ["float32", "4.00 (1.00)", "4.00 (0.00)", "1.0 MiB"]
+    # The compression table: a row per setting, measured against float32 beside the cost model.
+    measured = {f"compress|{p}|{p}|{label}": {"wire": 2**20 if label == "float32" else 2**15}
+                for p in link.COMPRESS_ISLANDS for label in link.COMPRESSIONS}
+    compress = list(link.results_tables(measured))[-1]
+    assert [row[0] for row in compress.rows] == list(link.COMPRESSIONS)
+    assert compress.rows[1][1].startswith("32.0 KiB (") and compress.rows[1][1].endswith(", 32.0×")
     link.plot(results, tmp_path / "link.png")
     assert (tmp_path / "link.png").stat().st_size > 10_000

@@ -69,11 +69,19 @@ def test_the_reference_sum_is_within_its_bound_of_the_float64_sum(fmt, route):
         assert error.max() < 1e-5
 
 
+def island_mergers(cfg: merge.MergeConfig, islands: int, workers: int, seed: int = 0) -> list[merge.Merger]:
+    """One merger per simulated process of `islands`, of workers / islands workers each."""
+    return [merge.Merger(cfg, comm, seed) for comm in ProcessGroup(islands).communicators(workers // islands)]
+
+
 def run_islands(cfg: merge.MergeConfig, deltas: dict[str, list[torch.Tensor]], islands: int,
-                residuals: dict[str, list[torch.Tensor]] | None = None) -> list[dict[str, torch.Tensor]]:
-    """Merge `deltas` (R per parameter) on `islands` simulated processes of R / islands workers each."""
+                residuals: dict[str, list[torch.Tensor]] | None = None, mergers: list[merge.Merger] | None = None,
+                round: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Merge `deltas` (R per parameter) on `islands` simulated processes of R / islands workers
+    each (on `mergers`, which keep their state across rounds, when given)."""
     workers = len(next(iter(deltas.values())))
-    comms = ProcessGroup(islands).communicators(workers // islands)
+    mergers = mergers or island_mergers(cfg, islands, workers)
+    comms = [m.comm for m in mergers]
     results: list = [None] * islands
     errors: list = []
 
@@ -82,7 +90,7 @@ def run_islands(cfg: merge.MergeConfig, deltas: dict[str, list[torch.Tensor]], i
             ids = comms[rank].local_worker_ids
             mine = {name: [ds[i] for i in ids] for name, ds in deltas.items()}
             kept = None if residuals is None else {name: [rs[i] for i in ids] for name, rs in residuals.items()}
-            results[rank] = merge.Merger(cfg, comms[rank], seed=0).merge_all(mine, 0, residuals=kept)
+            results[rank] = mergers[rank].merge_all(mine, round, residuals=kept)
         except BaseException as error:  # noqa: BLE001 — reported by the main thread
             errors.append(error)
 

@@ -42,6 +42,8 @@ def example_env() -> dict[str, str]:
 @pytest.mark.parametrize("args, message", [
     (["merge.quantize=int8"], "merge.quantize=int8 is not supported by the torchft example: this example all-reduces "
                               "float32 pseudo-gradients; drop it, or compress with isoloco train / isoloco launch"),
+    (["merge.compress=topk"], "merge.compress=topk is not supported by the torchft example: this example all-reduces "
+                              "whole pseudo-gradients; drop it, or compress with isoloco train / isoloco launch"),
     (["outer.overlap_steps=1"], "outer.overlap_steps=1 is not supported by the torchft example: torchft overlaps a "
                                 "synchronisation its own way: drop it and use --fragments N --sync-delay STEPS"),
     (["merge.weighting=tokens"], "merge.weighting=tokens is not supported by the torchft example: torchft's quorum "

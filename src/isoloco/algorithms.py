@@ -354,6 +354,8 @@ class DiLoCo(Algorithm):
         if self.dropped:
             metrics["dropped_workers"] = self.dropped
         metrics.update(worker_steps=self.worker_steps, workers_merged=self.workers_merged)
+        if self.outer.merger.clamped:
+            metrics["compress_rank_clamped"] = self.outer.merger.clamped
         self._new_period()
         return metrics
 

@@ -12,7 +12,10 @@ The rules themselves are pure phases (`isoloco.rules`); this module runs them ag
   worker's factors, laid end to end), and one finiteness check covers the whole bucket.
 * **Compression.** With `merge.quantize`, a sum phase crosses the link as each island's
   encoded sum, with bytes per process flat in R and P (`isoloco.sync.compressed`); the codec
-  decides which rules it can carry (`isoloco.sync.codec.carry_refusal`).
+  decides which rules it can carry (`isoloco.sync.codec.carry_refusal`). With `merge.compress`
+  a matrix's sum travels as PowerSGD's rank-k factors (`isoloco.sync.lowrank`; Iso-C then
+  flattens the k singular values they carry) or as each chunk's largest entries
+  (`isoloco.sync.topk`).
 * **Stages.** A merge is steps (`isoloco.sync.handles`): each stage starts its collectives,
   and waits for them only when resumed, so an overlapped synchronisation runs its stages
   between inner steps, from the main thread, in one order on every rank.
@@ -40,17 +43,22 @@ from isoloco.comm import Communicator, LocalCommunicator, nbytes
 from isoloco.configbase import check_at_least, check_choices, check_positive, check_range, option
 from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.ortho import (FACTOR_METHODS, FINDER_DTYPES, NS_DTYPES, POLAR_METHODS, SCALE_METHODS, FactorSettings,
-                           IsoSettings, spectrum_knob_problem)
+                           IsoSettings, iso_correct_in_span, spectrum_knob_problem)
 from isoloco.rules import RULES, Knobs, Phase, WorkerSlot, mask_key, mean_phases
-from isoloco.sync.codec import FORMATS, SCALE_GROUPS, Quantization, carry_refusal, wire_nbytes
-from isoloco.sync.compressed import choose_route, distributed_sum, reference_sum
-from isoloco.sync.handles import Pending, Steps, Sync, lockstep, run_to_end
+from isoloco.sync.codec import FORMATS, SCALE_GROUPS, Quantization, carry_refusal, shard_ranges, wire_nbytes
+from isoloco.sync.compressed import choose_route, distributed_sum, join_slices, reference_sum, wire_bytes_per_process
+from isoloco.sync.cost import wire_bytes
+from isoloco.sync.handles import Pending, Steps, Sync, lockstep, padded, run_to_end
+from isoloco.sync.lowrank import factor_rank, initial_factor, lowrank_sum
 from isoloco.sync.plan import buckets
+from isoloco.sync.topk import MAX_CHUNK, TopK, topk_sum
 
 Fetch = Callable[[torch.Tensor], torch.Tensor]
 
 #: `merge.weighting`: how much each merged worker's pseudo-gradient counts.
 WEIGHTINGS = ("equal", "tokens")
+#: `merge.compress`: how a matrix's sum is cut down before it crosses the slow link.
+COMPRESSORS = ("none", "lowrank", "topk")
 
 
 # ------------------------------------------------------------------------- configuration
@@ -104,9 +112,19 @@ class MergeConfig:
     quantize_scales: str = option("block", "merge.quantize=int8/int4: one scale per block of entries or per "
                                            "matrix row", choices=SCALE_GROUPS)
     quantize_block: int = option(256, "merge.quantize_scales=block: entries per scale (4 bytes each)")
+    compress: str = option(
+        "none", "what a matrix's sum crosses the slow link as: whole (none), rank-k factors in PowerSGD's form "
+                "(lowrank: two sums, of m×k and n×k factors), or each chunk's largest entries (topk: indices and "
+                "values, all-gathered); vectors stay whole; the factors and values travel under merge.quantize "
+                "(rules whose collectives are sums: mean, Iso-C, DARE)", choices=COMPRESSORS)
+    compress_rank: int = option(4, "merge.compress=lowrank: rank k of the factors, clamped to each matrix's "
+                                   "smaller side (the clamp is recorded as compress_rank_clamped in metrics.jsonl)")
+    compress_density: float = option(0.03, "merge.compress=topk: fraction of each chunk's entries sent, in (0, 1]")
+    compress_chunk: int = option(4096, f"merge.compress=topk: entries per chunk (at most {MAX_CHUNK}; indices "
+                                       f"travel as 2 bytes)")
     error_feedback: bool = option(
-        False, "with merge.quantize: each island keeps what compression lost and adds it to its next sum (in the "
-               "simulator every worker is an island; checkpointed with the island's first worker)")
+        False, "with merge.quantize or merge.compress: each island keeps what compression lost and adds it to its "
+               "next sum (in the simulator every worker is an island; checkpointed with the island's first worker)")
     bucket_mb: float = option(
         64.0, "parameters are merged in buckets of about this many MiB: one collective per bucket and phase, "
               "one finiteness check per bucket")
@@ -133,11 +151,16 @@ class MergeConfig:
         check_at_least("merge.power_iters", self.power_iters, 0)
         check_positive("merge.bucket_mb", self.bucket_mb)
         check_at_least("merge.quantize_block", self.quantize_block, 1)
-        if self.error_feedback and self.quantize == "none":
-            raise ConfigError("merge.error_feedback=true is not allowed with merge.quantize=none: there is no "
-                              "compression error to feed back; set merge.quantize=bf16, int8 or int4")
+        check_at_least("merge.compress_rank", self.compress_rank, 1)
+        check_range("merge.compress_density", self.compress_density, 0, 1, low_open=True, high_open=False)
+        check_range("merge.compress_chunk", self.compress_chunk, 1, MAX_CHUNK, low_open=False, high_open=False)
+        lossy = self.lossy_setting
+        if self.error_feedback and lossy is None:
+            raise ConfigError("merge.error_feedback=true is not allowed with merge.quantize=none and "
+                              "merge.compress=none: there is no compression error to feed back; set "
+                              "merge.quantize=bf16, int8 or int4, or merge.compress=lowrank or topk")
         # The phases of a typical matrix: a small one may skip a rule's gather (Iso-CTS's residuals).
-        refusal = carry_refusal(self.quantization, RULES[self.rule].phases((256, 256), 2, self.knobs), self.rule)
+        refusal = lossy and carry_refusal(lossy, RULES[self.rule].phases((256, 256), 2, self.knobs), self.rule)
         if refusal:
             raise ConfigError(refusal)
         if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
@@ -150,6 +173,18 @@ class MergeConfig:
     def iso(self) -> IsoSettings:
         """The Iso-C settings these keys describe."""
         return IsoSettings(self.ortho, self.scale, self.ns_steps, self.ns_dtype, self.iso_power, self.iso_floor)
+
+    @property
+    def lossy_setting(self) -> str | None:
+        """The setting that makes the slow link lossy, as `key=value` (the compressor first), or None."""
+        if self.compress != "none":
+            return f"merge.compress={self.compress}"
+        return f"merge.quantize={self.quantize}" if self.quantize != "none" else None
+
+    @property
+    def topk(self) -> TopK:
+        """Which entries merge.compress=topk sends."""
+        return TopK(self.compress_density, self.compress_chunk)
 
     @property
     def quantization(self) -> Quantization:
@@ -210,6 +245,11 @@ class Participation:
 # ------------------------------------------------------------------------------- helpers
 
 
+def structured_sum(cfg: MergeConfig, shape: Sequence[int]) -> bool:
+    """Whether a sum of `shape` travels through merge.compress (matrices only; vectors stay whole)."""
+    return cfg.compress != "none" and len(shape) == 2
+
+
 def _first_non_finite(deltas: list[list[torch.Tensor]]) -> tuple[int, int] | None:
     """(tensor, worker) of the first non-finite delta, in order; one device sync for all.
     A tensor's extremes are finite exactly when all its entries are (NaN propagates), and
@@ -261,6 +301,9 @@ class _Job:
     finalize: Callable[[torch.Tensor], torch.Tensor] | None
     state: Any = None
     memos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: merge.compress=lowrank with Iso-C: finalized in the span of its factors as its sum lands
+    #: (`isoloco.ortho.iso_correct_in_span`), not by `finalize`.
+    in_span: bool = False
 
 
 # -------------------------------------------------------------------------------- merger
@@ -269,8 +312,9 @@ class _Job:
 class Merger:
     """Applies the configured rule to each parameter, for the workers this process holds.
 
-    It holds no state between rounds: DARE's masks are a function of (seed, global worker
-    id, round, parameter name, entry).
+    Its only state between rounds is merge.compress=lowrank's warm-start factors (`factors`,
+    the same on every process, checkpointed by `isoloco.outer.OuterStep`): DARE's masks are a
+    function of (seed, global worker id, round, parameter name, entry).
     """
 
     def __init__(self, cfg: MergeConfig, comm: Communicator, seed: int) -> None:
@@ -280,6 +324,8 @@ class Merger:
         self.seed = seed
         self._knobs = cfg.knobs
         self._rule = RULES[cfg.rule]
+        #: merge.compress=lowrank: each matrix's Q, by parameter name (`isoloco.sync.lowrank`).
+        self.factors: dict[str, torch.Tensor] = {}
 
     def start(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None = None,
               fetch: Fetch | None = None, residuals: Mapping[str, Sequence[torch.Tensor]] | None = None,
@@ -304,12 +350,12 @@ class Merger:
             raise ValueError("merge.error_feedback needs the workers' residuals: pass residuals=")
         scales = participation.scales(self.comm.num_workers) if participation is not None else None
         jobs = self._jobs(local_deltas, residuals if self.cfg.error_feedback else None,
-                          self.comm.num_workers if scales is None else len(scales))
+                          self.comm.num_workers if scales is None else len(scales), finalize)
         limit = int(self.cfg.bucket_mb * 2**20)
         plan = [[jobs[i] for i in bucket]
                 for bucket in buckets([(nbytes(job.deltas[0]), job.deltas[0].dtype) for job in jobs], limit)]
         stages = self._stages(plan)
-        finalizing = finalize and any(job.finalize is not None for job in jobs)
+        finalizing = any(job.finalize is not None for job in jobs)
         steps = self._steps(jobs, plan, stages, _Round(round, fetch, scales), limit if finalizing else None)
         return Sync(steps, sum(self._yields(kind) for _, kind in stages) + finalizing)
 
@@ -336,7 +382,17 @@ class Merger:
 
     @property
     def _compressed(self) -> bool:
-        return self.cfg.quantize != "none"
+        return self.cfg.lossy_setting is not None
+
+    def _sent_bytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes one island hands to the slow link for a sum of `shape` (before the route's fan-out)."""
+        quantization, numel = self.cfg.quantization, math.prod(shape)
+        if not structured_sum(self.cfg, shape):
+            return wire_nbytes(numel, quantization, quantization.group_size(shape))
+        if self.cfg.compress == "topk":
+            return self.cfg.topk.nbytes(numel, quantization)
+        rank = factor_rank(shape, self.cfg.compress_rank)
+        return sum(wire_nbytes(side * rank, quantization, quantization.group_size((side, rank))) for side in shape)
 
     @property
     def _simulated_islands(self) -> bool:
@@ -350,7 +406,9 @@ class Merger:
         if self._simulated_islands:
             return 0
         slices = self.comm.island_slices[0]
-        return (1 if choose_route(self.comm.islands) == "gather" else 2) + (slices > 1)
+        dense = (1 if choose_route(self.comm.islands) == "gather" else 2) + (slices > 1)
+        # Low rank sums twice (P, then Q); top-k gathers once, in no more stages than a dense sum.
+        return 2 * dense if self.cfg.compress == "lowrank" else dense
 
     @staticmethod
     def _stages(plan: list[list[_Job]]) -> list[tuple[int, str]]:
@@ -390,7 +448,7 @@ class Merger:
         return lambda merged: finalize(merged, knobs)
 
     def _jobs(self, local_deltas: Mapping[str, Sequence[torch.Tensor]],
-              residuals: Mapping[str, Sequence[torch.Tensor]] | None, merged: int) -> list[_Job]:
+              residuals: Mapping[str, Sequence[torch.Tensor]] | None, merged: int, finalize: bool) -> list[_Job]:
         workers = self.comm.local_worker_ids
         jobs = []
         for name, deltas in local_deltas.items():
@@ -400,9 +458,11 @@ class Merger:
                     f"workers; pass one delta per local worker, in order"
                 )
             rule = self._rule.phases if self.cfg.applies(name, deltas[0]) else mean_phases
+            finalizer = self._finalize_of(name, deltas[0]) if finalize else None
+            in_span = finalizer is not None and self.cfg.compress == "lowrank"
             jobs.append(_Job(name, deltas, residuals[name] if residuals is not None else None,
-                             rule(deltas[0].shape, merged, self._knobs),
-                             self._finalize_of(name, deltas[0]), memos=[{} for _ in workers]))
+                             rule(deltas[0].shape, merged, self._knobs), None if in_span else finalizer,
+                             memos=[{} for _ in workers], in_span=in_span))
         return jobs
 
     def _contributions(self, jobs: list[_Job], phase: int, round: _Round, each: bool) -> dict[int | None, torch.Tensor]:
@@ -468,34 +528,48 @@ class Merger:
                 job.state = job.phases[phase].combine(stacked, job.state)
 
     def _compressed_sum(self, jobs: list[_Job], phase: int, round: _Round) -> Steps[None]:
-        """A sum phase of `jobs` that crosses the link compressed (`isoloco.sync.compressed`).
+        """A sum phase of `jobs` that crosses the link compressed (`isoloco.sync.compressed`;
+        matrices through `isoloco.sync.lowrank` or `isoloco.sync.topk` with merge.compress).
         The simulator plays every worker as an island; a process of a distributed run is (a
         slice of) one island, whose workers' contributions are added up first."""
         quantization = self.cfg.quantization
         shapes = [job.phases[phase].shape for job in jobs]
-        self.comm.bytes_sent_per_worker += sum(
-            wire_nbytes(math.prod(shape), quantization, quantization.group_size(shape)) for shape in shapes)
+        self.comm.bytes_sent_per_worker += sum(self._sent_bytes(shape) for shape in shapes)
         stored = [job.residuals for job in jobs] if jobs[0].residuals is not None else None
+        structured = [index for index, shape in enumerate(shapes) if structured_sum(self.cfg, shape)]
+        dense = [index for index in range(len(jobs)) if index not in structured]
         if self._simulated_islands:
             # Every worker that arrived is an island; the others' residuals wait for their next merge.
             buffers = self._contributions(jobs, phase, round, each=True)
             arrived = [index for index, worker in enumerate(self.comm.local_worker_ids) if worker in buffers]
             route = choose_route(len(buffers))
-            for index, job in enumerate(jobs):
-                size, offset = math.prod(shapes[index]), sum(math.prod(s) for s in shapes[:index])
-                inputs = [buffer[offset:offset + size].view(shapes[index]) for buffer in buffers.values()]
-                kept_residuals = None if stored is None else [stored[index][i] for i in arrived]
-                residuals = None if stored is None else [round.fetched(r) for r in kept_residuals]
-                total = reference_sum(inputs, quantization, route, residuals)
-                if residuals is not None:
-                    for kept, residual in zip(kept_residuals, residuals):
-                        if kept is not residual:
-                            kept.copy_(residual)
-                job.state = job.phases[phase].combine(total.to(job.deltas[0].dtype), job.state)
+            sizes = [math.prod(shape) for shape in shapes]
+            islands = [[part.view(shape) for part, shape in zip(torch.split(buffer, sizes), shapes)]
+                       for buffer in buffers.values()]
+            kept = None if stored is None else [[stored[index][i] for index in range(len(jobs))] for i in arrived]
+            residuals = None if kept is None else [[round.fetched(r) for r in island] for island in kept]
+            totals: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+            for index in dense:
+                totals[index] = reference_sum([island[index] for island in islands], quantization, route,
+                                              None if residuals is None else [island[index] for island in residuals]
+                                              ), None
+            if structured:
+                totals.update(zip(structured, run_to_end(self._structured_sum(
+                    [[island[index] for index in structured] for island in islands],
+                    [jobs[index].name for index in structured],
+                    None if residuals is None else [[island[index] for index in structured] for island in residuals],
+                    simulated=route))))
+            if residuals is not None:
+                for kept_island, island in zip(kept, residuals):
+                    for kept_residual, residual in zip(kept_island, island):
+                        if kept_residual is not residual:
+                            kept_residual.copy_(residual)
+            self._land(jobs, phase, totals)
             return
         if self.comm.islands == 1:
-            raise ConfigError(f"merge.quantize={self.cfg.quantize} needs isoloco's own process groups: "
-                              f"{type(self.comm).__name__} carries float32 sums only; use merge.quantize=none")
+            raise ConfigError(f"{self.cfg.lossy_setting} needs isoloco's own process groups: "
+                              f"{type(self.comm).__name__} carries float32 sums only; use "
+                              f"{self.cfg.lossy_setting.split('=')[0]}=none")
         sizes = [math.prod(shape) for shape in shapes]
         buffers = self._contributions(jobs, phase, round, each=False)
         buffer = buffers[None] if buffers else self._zeros(jobs, sum(sizes), round)
@@ -504,13 +578,86 @@ class Merger:
         # none of whose workers arrived sends zeros and keeps its residual for its next merge,
         # as the simulator's islands do.
         residuals = None if stored is None or not buffers else [round.fetched(r[0]) for r in stored]
-        totals = yield from distributed_sum(self.comm, inputs, quantization, residuals)
+        parts = []
+        if dense:
+            parts.append(distributed_sum(self.comm, [inputs[index] for index in dense], quantization,
+                                         None if residuals is None else [residuals[index] for index in dense]))
+        if structured:
+            parts.append(self._structured_sum(
+                [[inputs[index] for index in structured]], [jobs[index].name for index in structured],
+                None if residuals is None else [[residuals[index] for index in structured]]))
+        stages = self._yields("sum")
+        results = yield from padded(lockstep([padded(part, stages) for part in parts]), stages)
+        if dense:
+            results[0] = [(total, None) for total in results[0]]
+        totals = dict(zip([*dense, *structured], [total for result in results for total in result]))
         if residuals is not None:
             for kept, residual in zip(stored, residuals):
                 if kept[0] is not residual:
                     kept[0].copy_(residual)
-        for job, total in zip(jobs, totals):
+        self._land(jobs, phase, totals)
+
+    def _land(self, jobs: list[_Job], phase: int, totals: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]]
+              ) -> None:
+        """Combine each job's compressed sum (`totals[index]`: the sum and, from low rank, its
+        factors' basis P̂), finalizing in the factors' span the jobs that ask for it."""
+        for index, job in enumerate(jobs):
+            total, basis = totals[index]
             job.state = job.phases[phase].combine(total.to(job.deltas[0].dtype), job.state)
+            if job.in_span:
+                job.state = iso_correct_in_span(job.state, basis, self._knobs.iso)
+
+    def _structured_sum(self, islands: list[list[torch.Tensor]], names: list[str],
+                        residuals: list[list[torch.Tensor]] | None,
+                        simulated: str | None = None) -> Steps[list[tuple[torch.Tensor, torch.Tensor | None]]]:
+        """merge.compress's sums of the matrices `names`: `islands[i][t]` is island i's matrix t
+        (every island with `simulated`, the route the simulator's sums take; else this
+        process's island), `residuals` like it. Returns each sum with its basis P̂ (low rank;
+        None for top-k)."""
+        quantization, comm = self.cfg.quantization, self.comm
+        shapes = [x.shape for x in islands[0]]
+        if self.cfg.compress == "lowrank":
+            def summed(parts: list[list[torch.Tensor]]) -> Steps[list[torch.Tensor]]:
+                if simulated is None:
+                    return (yield from distributed_sum(comm, parts[0], quantization))
+                return [reference_sum([island[t] for island in parts], quantization, simulated)
+                        for t in range(len(parts[0]))]
+
+            factors = [self._factor(name, shape, x.device) for name, shape, x in zip(names, shapes, islands[0])]
+            totals, warm, bases = yield from lowrank_sum(islands, factors, quantization, summed, residuals)
+            self.factors.update(zip(names, warm))
+            return list(zip(totals, bases))
+        spec = self.cfg.topk
+        slices, slot = (1, 0) if simulated is not None else comm.island_slices
+
+        def chunks(numel: int, carrier: int = slot) -> tuple[int, int]:
+            return shard_ranges(spec.layout(numel)[1], 1, slices)[carrier]
+
+        def gathered(blobs: list[torch.Tensor]) -> Steps[list[torch.Tensor]]:
+            if simulated is not None:
+                return blobs
+            handle = comm.gather_peers(blobs[0])
+            yield [handle]
+            return handle.wait()
+
+        mine = yield from topk_sum(islands, spec, quantization, gathered, chunks, residuals)
+        lengths = [[spec.entries(math.prod(shape), *chunks(math.prod(shape), carrier)) for shape in shapes]
+                   for carrier in range(slices)]
+        whole = yield from join_slices(comm, mine, lengths)
+        return [(flat.view(shape), None) for flat, shape in zip(whole, shapes)]
+
+    def _factor(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """Matrix `name`'s warm-start Q: last round's, or the seeded first one."""
+        if name not in self.factors:
+            self.factors[name] = initial_factor(name, shape, self.cfg.compress_rank, self.seed).to(device)
+        return self.factors[name]
+
+    @property
+    def clamped(self) -> dict[str, int]:
+        """merge.compress=lowrank: the rank of each matrix merged so far whose smaller side is
+        below merge.compress_rank."""
+        return {name: factor.shape[1] for name, factor in self.factors.items()
+                if factor.shape[1] < self.cfg.compress_rank}
 
     def _finalize(self, jobs: list[_Job], merged: dict[str, torch.Tensor], limit: int) -> Steps[None]:
         """Run the pure finalize steps on stacks of same-shape matrices of at most `limit`
@@ -531,6 +678,32 @@ class Merger:
         yield [handle]
         for stack, result in zip(stacks, handle.wait()):
             merged.update(zip((job.name for job in stack), [result] if len(stack) == 1 else result.unbind(0)))
+
+
+def wire_bytes_per_merge(shapes: Sequence[torch.Size], cfg: MergeConfig, islands: int) -> float:
+    """The slow-link bytes one process puts on the link in a merge by the mean of tensors of
+    `shapes` (float32) under `cfg`'s compression, over `islands` islands of one process each:
+    what the metrics' `wire_bytes_cross_island` counts, from the cost model (`isoloco.sync.cost`)."""
+    total = 0.0
+    quantization, limit = cfg.quantization, int(cfg.bucket_mb * 2**20)
+    for bucket in buckets([(4 * math.prod(shape), torch.float32) for shape in shapes], limit):
+        chosen = [tuple(shapes[index]) for index in bucket]
+        if cfg.lossy_setting is None:
+            total += wire_bytes("all_reduce", 4 * sum(math.prod(shape) for shape in chosen), islands)
+            continue
+        structured = [shape for shape in chosen if structured_sum(cfg, shape)]
+        dense = [torch.Size(shape) for shape in chosen if not structured_sum(cfg, shape)]
+        if dense:
+            total += wire_bytes_per_process(dense, quantization, islands)
+        if cfg.compress == "lowrank" and structured:
+            for side in (0, 1):  # the sums of the P and then the Q factors
+                total += wire_bytes_per_process(
+                    [torch.Size((shape[side], factor_rank(shape, cfg.compress_rank))) for shape in structured],
+                    quantization, islands)
+        elif structured:
+            total += wire_bytes("all_gather", sum(cfg.topk.nbytes(math.prod(s), quantization) for s in structured),
+                                islands)
+    return total
 
 
 # --------------------------------------------------- peft-style functions, one per rule

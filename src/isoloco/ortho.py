@@ -531,6 +531,18 @@ def reshaped_spectrum(sigma: torch.Tensor, power: float, floor: float) -> torch.
     return torch.where(flattened, c * lifted, sigma)
 
 
+def iso_correct_in_span(matrix: torch.Tensor, basis: torch.Tensor, settings: IsoSettings = IsoSettings()) -> torch.Tensor:
+    """Iso-C of an m×n `matrix` whose columns lie in the span of `basis` (m×k, orthonormal
+    columns), as a rank-k sum from merge.compress=lowrank does: its k singular values (those
+    of basisᵀ·matrix) reshaped by `reshaped_spectrum`, so Iso-C gives each their mean over
+    the k, not over min(m, n). The n − k null values are directions nobody sent: counting
+    them would shrink the update by about k/min(m, n), and orthogonalising them would make
+    rounding noise full-rank. Exact (one SVD of a k×n matrix) whatever `settings.ortho`."""
+    u, sigma, vh = torch.linalg.svd(basis.T @ matrix, full_matrices=False)
+    sigma = reshaped_spectrum(sigma, settings.iso_power, settings.iso_floor)
+    return ((basis @ u) * sigma) @ vh
+
+
 def _iso_variant(matrix: torch.Tensor, settings: IsoSettings) -> torch.Tensor:
     """U·reshaped_spectrum(S)·Vᵀ from the exact SVD of `settings.ortho`, in at least float32."""
     _check_matrix(matrix)

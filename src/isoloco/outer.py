@@ -208,6 +208,7 @@ class OuterStep:
     """
 
     _BUFFER_KEY = "momentum_buffer."
+    _FACTOR_KEY = "lowrank_factor."
 
     def __init__(
         self,
@@ -289,30 +290,37 @@ class OuterStep:
         return self.spectra.observe(matrices, local_deltas, fetch)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """A flat snapshot (copies) of the momentum buffers, ``momentum_buffer.<param>``, which
-        every process holds alike (the merger keeps no state between rounds). Parameters without
-        a buffer (before the first step, or with no momentum) are absent."""
+        """A flat snapshot (copies) of what every process holds alike between outer steps: the
+        momentum buffers, ``momentum_buffer.<param>``, and merge.compress=lowrank's warm-start
+        factors, ``lowrank_factor.<param>``. Parameters without a buffer (before the first step,
+        or with no momentum) or a factor (before the first merge) are absent."""
         state = {}
         for name, param in self.named_params:
             buffer = self.optimizer.state.get(param, {}).get("momentum_buffer")
             if buffer is not None:
                 state[self._BUFFER_KEY + name] = buffer.detach().clone()
+        state.update((self._FACTOR_KEY + name, factor.detach().clone()) for name, factor in self.merger.factors.items())
         return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore a `state_dict`; continuing afterwards reproduces the original run bit for bit."""
-        buffers = {}
+        buffers, factors = {}, {}
         for key, value in state.items():
-            name = key.removeprefix(self._BUFFER_KEY)
-            if not key.startswith(self._BUFFER_KEY) or name not in self._params:
+            prefix = self._FACTOR_KEY if key.startswith(self._FACTOR_KEY) else self._BUFFER_KEY
+            name = key.removeprefix(prefix)
+            if not key.startswith(prefix) or name not in self._params:
                 raise ValueError(
-                    f"unexpected outer state key {key!r}: expected {self._BUFFER_KEY}<parameter name> "
-                    f"(is this checkpoint from another model?)"
+                    f"unexpected outer state key {key!r}: expected {self._BUFFER_KEY}<parameter name> or "
+                    f"{self._FACTOR_KEY}<parameter name> (is this checkpoint from another model?)"
                 )
             param = self._params[name]
+            if prefix == self._FACTOR_KEY:
+                factors[name] = value.to(device=param.device, dtype=torch.float32).clone()
+                continue
             if value.shape != param.shape:
                 raise ValueError(f"{key!r} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
             buffers[param] = value.to(device=param.device, dtype=param.dtype).clone()
+        self.merger.factors = factors
         self.optimizer.state.clear()
         for param, buffer in buffers.items():
             self.optimizer.state[param]["momentum_buffer"] = buffer

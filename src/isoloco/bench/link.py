@@ -37,18 +37,14 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-import torch
-
 from isoloco.bench.comm import job_config, join_job, spawn_job
 from isoloco.bench.workload import parameter_shapes, worker_deltas
-from isoloco.bench.table import Table, megabytes
+from isoloco.bench.table import Table, kibibytes, megabytes
 from isoloco.config import resolve
 from isoloco.distributed import Distributed, process_group
-from isoloco.merge import MergeConfig, Merger
+from isoloco.merge import MergeConfig, Merger, wire_bytes_per_merge
 from isoloco.sync.codec import Quantization, wire_nbytes
-from isoloco.sync.compressed import wire_bytes_per_process
 from isoloco.sync.cost import Link, latency_steps, wire_bytes
-from isoloco.sync.plan import buckets
 from isoloco.trainer import Trainer
 
 METHODS = ("diloco", "isoloco")
@@ -69,6 +65,18 @@ ISLANDS, ISLAND_WORKERS = (2, 4, 8), (8, 16, 32)
 QUICK_ISLANDS = {"islands": (2, 4), "workers": (8, 16)}
 #: The many-islands round table: 4 islands of one process, R = 8, a 0.1 Gbit/s, 20 ms link.
 ROUND_ISLANDS, ROUND_WORKERS, ROUND_LINK, ROUND_TAUS = 4, 8, (0.1, 20.0), (0, 2)
+#: The compression table: every setting of the loss-against-bytes science (`MergeConfig` keys),
+#: measured at P islands of one process and computed for the 178M model.
+COMPRESSIONS = {
+    "float32": {},
+    "int8": {"quantize": "int8"},
+    "int4": {"quantize": "int4"},
+    **{f"lowrank r={rank}, int8": {"compress": "lowrank", "compress_rank": rank, "quantize": "int8"}
+       for rank in (1, 2, 4, 8)},
+    **{f"topk {density:.0%}, int8": {"compress": "topk", "compress_density": density, "quantize": "int8"}
+       for density in (0.1, 0.03, 0.01)},
+}
+COMPRESS_ISLANDS, COMPRESS_COMPUTED = (2, 4), (("tiny", 8), ("178m", 2), ("178m", 8))
 
 
 def case_config(method: str, link: tuple[float, float], bucket_mb: float, quantize: str, tau: int,
@@ -121,7 +129,7 @@ def _run_cases(rank: int, world_size: int, port: int, cases: dict[str, tuple[str
 
 
 #: The parts of the benchmark, each one job of processes: `--parts` picks some.
-PARTS = ("link", "overlap", "islands", "rounds")
+PARTS = ("link", "overlap", "islands", "rounds", "compress")
 
 
 def measure(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, dict[str, float]]:
@@ -143,7 +151,11 @@ def measure(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, dict[str, 
     if "islands" in parts:
         sizes = QUICK_ISLANDS if quick else {"islands": ISLANDS, "workers": ISLAND_WORKERS}
         for islands in sizes["islands"]:
-            results.update(spawn_job(_count_island_bytes, islands, sizes["workers"], QUANTIZE))
+            results.update(spawn_job(_count_island_bytes, islands, sizes["workers"],
+                                     {q: {"quantize": q} for q in QUANTIZE}, "islands"))
+    if "compress" in parts:
+        for islands in COMPRESS_ISLANDS:
+            results.update(spawn_job(_count_island_bytes, islands, (islands,), COMPRESSIONS, "compress"))
     return results
 
 
@@ -158,21 +170,23 @@ def islands_config(quantize: str, tau: int) -> dict:
 
 
 def _count_island_bytes(rank: int, world_size: int, port: int, workers_list: tuple[int, ...],
-                        formats: tuple[str, ...], out: str) -> None:
+                        settings: dict[str, dict], prefix: str, out: str) -> None:
     """One process of the job (an island of one process): merge the `tiny` model's deltas of
-    every R and format once; rank 0 writes each merge's cross-island wire bytes per process."""
+    every R once under each of `settings` (a label's `MergeConfig` keys); rank 0 writes each
+    merge's cross-island wire bytes per process, keyed `prefix|P|R|label`."""
     join_job(rank, world_size, port)
     shapes = parameter_shapes("tiny")
     counts = {}
     with process_group(resolve(None, job_config("tiny", workers_list[0]))):
         for workers in workers_list:
             deltas = worker_deltas(shapes, workers)
-            for fmt in formats:
-                run = Distributed(resolve(None, {**job_config("tiny", workers), "merge.quantize": fmt}))
+            for label, keys in settings.items():
+                run = Distributed(resolve(None, {**job_config("tiny", workers),
+                                                 **{f"merge.{key}": value for key, value in keys.items()}}))
                 local = {name: [tensors[w] for w in run.comm.local_worker_ids] for name, tensors in deltas.items()}
                 run.comm.reset_link_bytes()
-                Merger(MergeConfig(quantize=fmt), run.comm, seed=0).merge_all(local)
-                counts[f"islands|{world_size}|{workers}|{fmt}"] = {
+                Merger(MergeConfig(**keys), run.comm, seed=0).merge_all(local)
+                counts[f"{prefix}|{world_size}|{workers}|{label}"] = {
                     "wire": run.link_bytes(run.comm)["wire_bytes_cross_island"]}
     if rank == 0:
         Path(out).write_text(json.dumps(counts))
@@ -181,16 +195,7 @@ def _count_island_bytes(rank: int, world_size: int, port: int, workers_list: tup
 def predicted_wire_bytes(islands: int, fmt: str) -> float:
     """The cost model's cross-island wire bytes per process of one merge of the `tiny` model's
     sum over `islands` islands of one process: a float32 all-reduce, or the compressed sum, per bucket."""
-    shapes = [shape for _, shape in parameter_shapes("tiny")]
-    limit = int(MergeConfig.bucket_mb * 2**20)
-    total = 0.0
-    for bucket in buckets([(4 * shape.numel(), torch.float32) for shape in shapes], limit):
-        chosen = [shapes[i] for i in bucket]
-        if fmt == "none":
-            total += wire_bytes("all_reduce", 4 * sum(shape.numel() for shape in chosen), islands)
-        else:
-            total += wire_bytes_per_process(chosen, Quantization(fmt), islands)
-    return total
+    return wire_bytes_per_merge([shape for _, shape in parameter_shapes("tiny")], MergeConfig(quantize=fmt), islands)
 
 
 def _key(method: str, link: tuple[float, float], bucketing: str, quantize: str, tau: int) -> str:
@@ -207,8 +212,9 @@ def results_tables(results: dict[str, dict[str, float]]) -> Iterator[Table]:
     overlap = {key: figures for key, figures in results.items() if key.startswith("overlap|")}
     islands = {key: figures for key, figures in results.items() if key.startswith("islands|")}
     rounds = {key: figures for key, figures in results.items() if key.startswith("rounds|")}
+    compress = {key: figures for key, figures in results.items() if key.startswith("compress|")}
     results = {key: figures for key, figures in results.items()
-               if key not in overlap and key not in islands and key not in rounds}
+               if key not in overlap and key not in islands and key not in rounds and key not in compress}
     links = sorted({float(key.split("|")[1]) for key in results})
     methods = [m for m in METHODS if any(key.startswith((f"{m}|", f"overlap|{m}|")) for key in {**results, **overlap})]
     quantize = [q for q in QUANTIZE if any(f"|{q}|" in key for key in results)]
@@ -243,6 +249,35 @@ def results_tables(results: dict[str, dict[str, float]]) -> Iterator[Table]:
         yield islands_table(islands)
     if rounds:
         yield rounds_table(rounds)
+    if compress:
+        yield compress_table(compress)
+
+
+def compress_table(results: dict[str, dict[str, float]]) -> Table:
+    """Cross-island wire bytes per process of one merge under each compression setting."""
+    measured_at = sorted({int(key.split("|")[1]) for key in results})
+    table = Table("Compression: cross-island wire bytes per process of one merge, against float32",
+                  ["setting", *[f"tiny, P={p}: measured (predicted), ×float32" for p in measured_at],
+                   *[f"{model}, P={p}: computed, ×float32" for model, p in COMPRESS_COMPUTED]])
+    shapes = {model: [shape for _, shape in parameter_shapes(model)] for model, _ in COMPRESS_COMPUTED}
+    for label, keys in COMPRESSIONS.items():
+        cells = []
+        for p in measured_at:
+            wire, float32 = (results[f"compress|{p}|{p}|{name}"]["wire"] for name in (label, "float32"))
+            predicted = wire_bytes_per_merge([shape for _, shape in parameter_shapes("tiny")], MergeConfig(**keys), p)
+            cells.append(f"{kibibytes(wire)} ({kibibytes(predicted)}), {float32 / wire:.1f}×")
+        for model, p in COMPRESS_COMPUTED:
+            wire, float32 = (wire_bytes_per_merge(shapes[model], MergeConfig(**k), p) for k in (keys, {}))
+            cells.append(f"{kibibytes(wire)}, {float32 / wire:.1f}×")
+        table.add(label, *cells)
+    table.notes.append(
+        "One merge (mean) of the model's deltas over P islands of one gloo process each; measured: "
+        "`wire_bytes_cross_island` averaged over the processes; predicted and computed: the cost model "
+        "(`isoloco.merge.wire_bytes_per_merge`), for the same buckets. ×float32: how many times fewer bytes "
+        "than float32's ring all-reduce. Vectors travel under merge.quantize in every setting. Low rank sends "
+        "two compressed sums (of the m×k and n×k factors), flat in P; top-k all-gathers every island's entries, "
+        "so its bytes per process grow as P − 1 while float32's stay about flat.")
+    return table
 
 
 def islands_table(results: dict[str, dict[str, float]]) -> Table:

@@ -41,3 +41,7 @@ def percent(value: float) -> str:
 
 def megabytes(count: float) -> str:
     return f"{count / 2**20:,.1f} MiB"
+
+
+def kibibytes(count: float) -> str:
+    return f"{count / 2**10:,.1f} KiB"

@@ -257,6 +257,16 @@ def compress_with_feedback(delta: torch.Tensor, residual: torch.Tensor | None,
     return wire, residual
 
 
+def aligned(size: int) -> int:
+    """`size` bytes rounded up to a multiple of 4: blobs laid end to end keep their float32 scales aligned."""
+    return -(-size // 4) * 4
+
+
+def pad_aligned(raw: torch.Tensor) -> torch.Tensor:
+    """uint8 `raw` zero-padded to `aligned` length."""
+    return F.pad(raw, (0, aligned(raw.numel()) - raw.numel()))
+
+
 def shard_ranges(numel: int, group_size: int, processes: int) -> list[tuple[int, int]]:
     """Entry ranges [start, stop) of the P shards of a flattened tensor: consecutive runs of
     ⌈G / P⌉ whole groups (G = ⌈n / g⌉), so no group is split between processes; the last shards
@@ -267,17 +277,15 @@ def shard_ranges(numel: int, group_size: int, processes: int) -> list[tuple[int,
             for j in range(processes)]
 
 
-def carry_refusal(quantization: Quantization, phases: Sequence[Phase], rule: str) -> str | None:
-    """Why `rule` (whose phases for a matrix are `phases`) cannot travel under `quantization`,
-    or None when it can: every phase must be a sum whose terms tolerate rounding (not a gather
-    of factors, not a sum of counts)."""
-    if quantization.quantize == "none":
-        return None
+def carry_refusal(setting: str, phases: Sequence[Phase], rule: str) -> str | None:
+    """Why `rule` (whose phases for a matrix are `phases`) cannot travel under the lossy
+    `setting` (``key=value``, e.g. ``merge.quantize=int8``), or None when it can: every phase
+    must be a sum whose terms tolerate rounding (not a gather of factors, not a sum of counts)."""
     for phase in phases:
         if phase.collective != "sum":
-            return (f"merge.quantize={quantization.quantize} is not allowed with merge.rule={rule}: {rule} gathers "
-                    f"each worker's factors, and the codecs carry sums only; use merge.quantize=none")
+            return (f"{setting} is not allowed with merge.rule={rule}: {rule} gathers each worker's factors, and "
+                    f"the codecs carry sums only; use {setting.split('=')[0]}=none")
         if phase.exact:
-            return (f"merge.quantize={quantization.quantize} is not allowed with merge.rule={rule}: one of its sums "
-                    f"counts agreeing workers, which rounding would corrupt; use merge.quantize=none")
+            return (f"{setting} is not allowed with merge.rule={rule}: one of its sums counts agreeing workers, "
+                    f"which rounding would corrupt; use {setting.split('=')[0]}=none")
     return None

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 import torch.nn.functional as F
 
-from isoloco.sync.codec import Quantization, Wire, dequantize, quantize, shard_ranges, wire_nbytes
+from isoloco.sync.codec import Quantization, Wire, aligned, dequantize, pad_aligned, quantize, shard_ranges, wire_nbytes
 from isoloco.sync.cost import wire_bytes
 from isoloco.sync.handles import Steps
 
@@ -58,11 +58,6 @@ def choose_route(islands: int) -> str:
     exchange = wire_bytes("all_to_all", (islands - 1) / islands, islands) + wire_bytes("all_gather", 1 / islands,
                                                                                          islands)
     return "gather" if gather <= exchange else "exchange"
-
-
-def _aligned(size: int) -> int:
-    """`size` rounded up to a multiple of 4 bytes: packed wires stay aligned for their float32 scales."""
-    return -(-size // 4) * 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +82,7 @@ class ChunkPlan:
 
     def blob_size(self, chunk: int) -> int:
         """Bytes of chunk `chunk` of every tensor, encoded and laid end to end."""
-        return sum(_aligned(wire_nbytes(stop - start, self.quantization, group))
+        return sum(aligned(wire_nbytes(stop - start, self.quantization, group))
                    for tensor, group in enumerate(self.groups)
                    for start, stop in [self.ranges(tensor)[chunk]])
 
@@ -153,7 +148,7 @@ def distributed_sum(comm: Communicator, inputs: list[torch.Tensor], quantization
                 flat[start:stop].sub_(dequantize(wire))
             if first <= chunk < first + islands:
                 raw = wire.as_bytes()
-                parts.append(F.pad(raw, (0, _aligned(raw.numel()) - raw.numel())))
+                parts.append(pad_aligned(raw))
         if parts:
             blobs.append(torch.cat(parts))
     if route == "gather":
@@ -177,21 +172,29 @@ def distributed_sum(comm: Communicator, inputs: list[torch.Tensor], quantization
         chunks = [_decode(plan, first + p, blob[:sizes[p]]) for p, blob in enumerate(handle.wait())]
     # This process's slot: per tensor, its chunks first .. first + P − 1 in order.
     mine = [torch.cat([chunks[p][tensor] for p in range(islands)]) for tensor in range(len(inputs))]
-    if slices > 1:
-        lengths = [[sum(stop - start for start, stop in plan.ranges(t)[s * islands:(s + 1) * islands])
-                    for t in range(len(inputs))] for s in range(slices)]
-        joined = torch.cat(mine)
-        handle = comm.join_island(F.pad(joined, (0, max(map(sum, lengths)) - joined.numel())))
-        yield [handle]
-        slots = handle.wait()
-        pieces = [list(torch.split(slots[s][:sum(lengths[s])], lengths[s])) for s in range(slices)]
-        mine = [torch.cat([pieces[s][t] for s in range(slices)]) for t in range(len(inputs))]
-    return [flat.view(x.shape) for flat, x in zip(mine, inputs)]
+    lengths = [[sum(stop - start for start, stop in plan.ranges(t)[s * islands:(s + 1) * islands])
+                for t in range(len(inputs))] for s in range(slices)]
+    whole = yield from join_slices(comm, mine, lengths)
+    return [flat.view(x.shape) for flat, x in zip(whole, inputs)]
+
+
+def join_slices(comm: Communicator, mine: list[torch.Tensor], lengths: list[list[int]]) -> Steps[list[torch.Tensor]]:
+    """Whole flat tensors from the slices the processes of an island carried: `mine[t]` is
+    this process's consecutive slice of tensor t, `lengths[s][t]` slot s's length of it. One
+    all-gather inside the island (over its fast link); nothing with one process per island."""
+    if len(lengths) == 1:
+        return mine
+    joined = torch.cat(mine)
+    handle = comm.join_island(F.pad(joined, (0, max(map(sum, lengths)) - joined.numel())))
+    yield [handle]
+    slots = handle.wait()
+    pieces = [list(torch.split(slots[s][:sum(lengths[s])], lengths[s])) for s in range(len(lengths))]
+    return [torch.cat([pieces[s][t] for s in range(len(lengths))]) for t in range(len(mine))]
 
 
 def _encode(chunk: torch.Tensor, quantization: Quantization, group: int) -> torch.Tensor:
     raw = quantize(chunk, quantization, group).as_bytes()
-    return F.pad(raw, (0, _aligned(raw.numel()) - raw.numel()))
+    return pad_aligned(raw)
 
 
 def _split(plan: ChunkPlan, first: int, blob: torch.Tensor) -> list[torch.Tensor]:
@@ -207,7 +210,7 @@ def _decode(plan: ChunkPlan, chunk: int, blob: torch.Tensor) -> list[torch.Tenso
         size = wire_nbytes(stop - start, plan.quantization, group)
         wire = Wire.from_bytes(blob[offset:offset + size], plan.quantization, (stop - start,), group)
         decoded.append(dequantize(wire))
-        offset += _aligned(size)
+        offset += aligned(size)
     return decoded
 
 

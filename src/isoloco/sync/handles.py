@@ -91,3 +91,20 @@ def lockstep(all_steps: Sequence[Steps[T]]) -> Steps[list[T]]:
         if running:
             yield handles
     return results
+
+
+def padded(steps: Steps[T], stages: int) -> Steps[T]:
+    """`steps` stretched to `stages` stages: stages with nothing to wait for follow its own, so
+    that syntheses of unequal length run in `lockstep`."""
+    count = 0
+    while True:
+        try:
+            handles = next(steps)
+        except StopIteration as end:
+            result = end.value
+            break
+        count += 1
+        yield handles
+    for _ in range(stages - count):
+        yield []
+    return result
