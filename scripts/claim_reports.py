@@ -79,6 +79,10 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
     # The compressed sum (scripts/compressed_science.sh): tuned DiLoCo and IsoLoCo at R = 8 and 16,
     # exact and compressed, seeds 1-3 (seed 0 chose the tuned settings).
     "compressed-science": [("main", "dp-s[123]", ""), ("compressed/*", "*-s*", "{sweep}-")],
+    # Compression at 100× (scripts/tuned_science.sh compress): R = 8, against the compressed grid's
+    # exact and int8 / int4 (with error feedback) runs of the same methods and seeds.
+    "compress-science": [("main", "dp-s[123]", ""), ("compressed/*-exact", "*-R8-*", "{sweep}-"),
+                         ("compressed/*-int[48]-ef", "*-R8-*", "{sweep}-"), ("compress/*", "*-R8-*", "{sweep}-")],
     # IsoLoCo's first rounds against the budget, and its robust variants (scripts/early_budget.sh):
     # the `quick` runs of every budget in one view (dp pairs by budget), repro-cpu's in another.
     "early-quick": [("early-budget/steps*", "*-s*", "{sweep}-")],
@@ -135,6 +139,21 @@ def compressed_label(method: str, quantize: str = "none", feedback: bool = False
     return f"{method} merge.error_feedback={feedback} merge.quantize={quantize}"
 
 
+def compress_label(method: str, compress: str = "none", rank: int = 4, density: float = 0.03, quantize: str = "none",
+                   feedback: bool = False) -> str:
+    """A run label of the compress-science view (the keys its runs vary, each method at its tuned
+    outer step)."""
+    return (f"{method} merge.compress={compress} merge.compress_density={density} merge.compress_rank={rank} "
+            f"merge.error_feedback={feedback} merge.quantize={quantize}")
+
+
+#: scripts/tuned_science.sh compress's settings, and the compressed grid's it reuses, as
+#: `compress_label` arguments (the exact runs are the reference).
+COMPRESS_SETTINGS = (
+    *({"quantize": q, "feedback": True} for q in ("int8", "int4")),
+    *({"compress": "lowrank", "rank": r, "quantize": "int8", "feedback": True} for r in (8, 4, 2, 1)),
+    *({"compress": "topk", "density": d, "quantize": "int8", "feedback": True} for d in (0.1, 0.03, 0.01)),
+)
 #: scripts/compressed_science.sh's settings other than the exact one, as `compressed_label` arguments.
 COMPRESSED_SETTINGS = ({"quantize": "int8"}, {"quantize": "int8", "feedback": True}, {"quantize": "int4"},
                        {"quantize": "int4", "feedback": True})
@@ -186,6 +205,12 @@ REPORTS: dict[str, list[str]] = {
         *(f"{compressed_label('isoloco', **kw)}:{compressed_label('isoloco')}::{compressed_label('diloco', **kw)}:"
           f"{compressed_label('diloco')}" for kw in COMPRESSED_SETTINGS),
         f"{compressed_label('isoloco')}:{compressed_label('diloco')}"],
+    "compress-science": [
+        *(f"{compress_label(m, **kw)}:{compress_label(m)}" for kw in COMPRESS_SETTINGS for m in ("isoloco", "diloco")),
+        *(f"{compress_label('isoloco', **kw)}:{compress_label('isoloco')}::{compress_label('diloco', **kw)}:"
+          f"{compress_label('diloco')}" for kw in COMPRESS_SETTINGS),
+        *(f"{compress_label('isoloco', **kw)}:{compress_label('diloco', **kw)}" for kw in COMPRESS_SETTINGS),
+        f"{compress_label('isoloco')}:{compress_label('diloco')}"],
     "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [], "tune-small": [], "strongest-search": [], "spectra": [],
 }
 

@@ -275,8 +275,10 @@ def compress_table(results: dict[str, dict[str, float]]) -> Table:
         "`wire_bytes_cross_island` averaged over the processes; predicted and computed: the cost model "
         "(`isoloco.merge.wire_bytes_per_merge`), for the same buckets. ×float32: how many times fewer bytes "
         "than float32's ring all-reduce. Vectors travel under merge.quantize in every setting. Low rank sends "
-        "two compressed sums (of the m×k and n×k factors), flat in P; top-k all-gathers every island's entries, "
-        "so its bytes per process grow as P − 1 while float32's stay about flat.")
+        "two compressed sums (of the m×k and n×k factors), flat in R; its ratio falls with P where a factor has "
+        "fewer scale groups than there are islands (whole groups are not split among the P owners, and the "
+        "all-gather sends every owner the largest chunk). Top-k all-gathers every island's entries, so its bytes "
+        "per process grow as P − 1 while float32's stay about flat.")
     return table
 
 
