@@ -588,8 +588,17 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_to_all_single", "broadcast", "al
                "reduce_scatter_tensor", "barrier")
 
 
-def worker_deltas(workers: int) -> dict[str, list[torch.Tensor]]:
-    generator = torch.Generator().manual_seed(5)
+#: merge.compress settings the six processes merge in every layout, two rounds each (warm start, residuals).
+STRUCTURED = {
+    "lowrank": {"merge.compress": "lowrank", "merge.compress_rank": 2, "merge.quantize": "int8",
+                "merge.error_feedback": True},
+    "topk": {"merge.compress": "topk", "merge.compress_density": 0.1, "merge.compress_chunk": 64,
+             "merge.quantize": "int8", "merge.error_feedback": True},
+}
+
+
+def worker_deltas(workers: int, seed: int = 5) -> dict[str, list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
     return {name: [torch.randn(shape, generator=generator) for _ in range(workers)]
             for name, shape in COMPRESSED_SHAPES.items()}
 
@@ -628,6 +637,15 @@ def _many_islands(rank: int, world_size: int, port: int, root: str) -> None:
                 local = {name: [ds[w] for w in comm.local_worker_ids] for name, ds in deltas.items()}
                 merged = Merger(cfg.merge, comm, seed=0).merge_all(local)
                 results[f"{gpus}-{fmt}"] = {"merged": merged, "counts": comm.reset_link_bytes()}
+            for structured, keys in STRUCTURED.items():
+                cfg = resolve(None, {**base, "gpus_per_worker": gpus, **keys})
+                comm = Distributed(cfg).comm
+                merger = Merger(cfg.merge, comm, seed=0)
+                residuals = {name: [torch.zeros_like(ds[w]) for w in comm.local_worker_ids]
+                             for name, ds in deltas.items()}
+                results[f"{gpus}-{structured}"] = [merger.merge_all(
+                    {name: [ds[w] for w in comm.local_worker_ids] for name, ds in worker_deltas(workers, t).items()},
+                    t, residuals=residuals) for t in range(2)]
         torch.save(results, root / f"merged.{rank}.pt")
         # A short overlapped, compressed run of islands of 2: its collectives too stay on the main thread.
         overlapped = resolve(None, {**base, "gpus_per_worker": 2, "merge.quantize": "int8",
@@ -690,6 +708,28 @@ def test_the_compressed_sum_over_many_islands_is_the_reference_and_within_its_bo
             assert sum(wire) / processes == pytest.approx(predicted), key
             float32 = 2 * (islands - 1) / islands * 4 * sum(s.numel() for s in shapes) / gpus
             assert max(wire) <= {"int8": 0.3, "int4": 0.17}[fmt] * float32, key
+
+
+@pytest.mark.parametrize("structured", STRUCTURED)
+def test_low_rank_and_top_k_give_every_split_of_an_island_the_same_bits(many_islands, structured):
+    """Over two rounds (warm start, residuals), islands of G = 1, 2 and 3 gloo processes end
+    with the bits of the same islands played by one thread each (the split of an island's
+    traffic, and for top-k its all-gather of slices inside the island, change nothing)."""
+    from isoloco.merge import MergeConfig
+    from test_compressed import island_mergers, run_islands
+
+    processes, workers = MANY_ISLANDS["processes"], MANY_ISLANDS["workers"]
+    ranks = [torch.load(many_islands / f"merged.{rank}.pt") for rank in range(processes)]
+    cfg = MergeConfig(**{key.removeprefix("merge."): value for key, value in STRUCTURED[structured].items()})
+    for gpus in MANY_ISLANDS["layouts"]:
+        islands = processes // gpus
+        mergers = island_mergers(cfg, islands, workers)
+        residuals = {name: [torch.zeros_like(d) for d in ds] for name, ds in worker_deltas(workers).items()}
+        for t in range(2):
+            expected = run_islands(cfg, worker_deltas(workers, t), islands, residuals, mergers, round=t)[0]
+            for name in COMPRESSED_SHAPES:
+                assert all(torch.equal(r[f"{gpus}-{structured}"][t][name], expected[name]) for r in ranks), (
+                    gpus, t, name)
 
 
 def test_a_checkpoint_with_a_synchronisation_in_flight_resumes_to_the_same_bits(many_islands):
