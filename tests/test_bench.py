@@ -78,7 +78,8 @@ def test_throughput_ratio_is_positive_and_finite():
 
 
 @pytest.mark.multiprocess
-def test_bytes_counted_on_two_processes_match_the_analytic_counts():
+def test_bytes_counted_on_two_processes_match_the_analytic_counts(monkeypatch):
+    monkeypatch.setattr(comm, "START_METHOD", "forkserver")  # conftest.py: torch already imported
     counts = comm.bytes_per_round("tiny", (2, 4), methods=("diloco", "ties", "tsv", "isoloco", "isoloco_fast"))
     one_model = comm.model_bytes("tiny")
     assert one_model == 4 * sum(shape.numel() for _, shape in parameter_shapes("tiny"))

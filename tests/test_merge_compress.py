@@ -169,18 +169,25 @@ def test_every_island_layout_gives_the_simulators_bits(compress, islands):
             assert all(torch.equal(a, b) for a, b in zip(spread[name], alone[name])), (name, t)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("merge.compress_rank=0", "merge.compress_rank=0"),
-    ("merge.compress_density=0", "merge.compress_density=0"),
-    ("merge.compress_density=1.5", "merge.compress_density=1.5"),
-    ("merge.compress_chunk=70000", "merge.compress_chunk=70000"),
-    ("merge.rule=ties", "merge.compress=lowrank is not allowed with merge.rule=ties"),
-    ("merge.rule=tsv", "merge.compress=lowrank is not allowed with merge.rule=tsv"),
+@pytest.mark.parametrize("keys, message", [
+    ({"compress_rank": 0}, "merge.compress_rank=0"),
+    ({"compress_density": 0.0}, "merge.compress_density=0.0"),
+    ({"compress_density": 1.5}, "merge.compress_density=1.5"),
+    ({"compress_chunk": 70000}, "merge.compress_chunk=70000"),
+    ({"rule": "ties"}, "merge.compress=lowrank is not allowed with merge.rule=ties"),
+    ({"rule": "tsv"}, "merge.compress=lowrank is not allowed with merge.rule=tsv"),
+    ({"rule": "iso_cts"}, "merge.compress=lowrank is not allowed with merge.rule=iso_cts"),
 ])
-def test_bad_compression_settings_are_refused_in_one_line(tmp_path, override, message):
-    done = subprocess.run([sys.executable, "-m", "isoloco", "train", *SMALL_ARGS, "merge.compress=lowrank", override,
-                           "--out", str(tmp_path / "run")], capture_output=True, text=True, env=ONE_THREAD_ENV)
-    assert done.returncode == 2 and message in done.stderr, done.stderr
+def test_bad_compression_settings_are_refused(keys, message):
+    with pytest.raises(ConfigError, match=message):
+        merge.MergeConfig(compress="lowrank", **keys).validate()
+
+
+def test_a_bad_compression_setting_exits_2_in_one_line_before_any_work(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "isoloco", "train", *SMALL_ARGS, "merge.compress=lowrank",
+                           "merge.compress_rank=0", "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                          env=ONE_THREAD_ENV)
+    assert done.returncode == 2 and "merge.compress_rank=0" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
