@@ -20,10 +20,11 @@ and exits 1 if any check failed:
     the CPU trains; over NCCL, two islands of one GPU train what one process trains (skipped,
     saying so, with one GPU).
 
-`--dry-run` takes every step on the CPU with small shapes (tiny model, short sequences, two
-gloo processes for check 9), so the script is known to work before a GPU session spends
-minutes on it. Speed and MFU are held to their thresholds on the GPU only: on the CPU, tiny
-matrices are timed by call overhead and there is no bf16 peak to divide by.
+`--dry-run` takes every step on the CPU with small shapes (tiny model, short sequences, one
+round per method, a smaller batch for the memory check, two gloo processes for checks 9 and
+10), so the script is known to work before a GPU session spends minutes on it. Speed and MFU
+are held to their thresholds on the GPU only: on the CPU, tiny matrices are timed by call
+overhead and there is no bf16 peak to divide by.
 
     OMP_NUM_THREADS=1 python scripts/gpu_check.py --dry-run
     python scripts/gpu_check.py --out gpu_check.md          # on the GPU machine
@@ -54,7 +55,7 @@ from isoloco.bench import scale
 from isoloco.bench.memory import WORKER_BYTES_PER_PARAM, fresh_process_peaks, in_fresh_processes
 from isoloco.bench.ortho import benchmark_shape
 from isoloco.bench.workload import matrix_shapes
-from isoloco.config import resolve
+from isoloco.config import DEFAULT_PRESET, resolve
 from isoloco.methods import METHODS
 from isoloco.ortho import IsoSettings, iso_correct
 from isoloco.rundir import CHECKPOINT_DIR, METRICS_FILE
@@ -99,19 +100,21 @@ class Setting:
     device: str
     ortho_presets: tuple[str, ...]  # check 2
     exact_preset: str  # check 1
+    method_steps: int  # check 3
     merge_shapes: tuple[tuple[int, int], ...]  # check 7
     memory_preset: str  # check 4
+    memory_batch: int
     round_model: str  # check 6
     round_seq_len: int
     round_batch: int
     timed: bool  # speed (check 2) and MFU (check 6) are held to their thresholds
 
 
-FULL = Setting("cuda", ("178m", "512m"), "178m", tuple(matrix_shapes("178m")), "small", "178m", 2048, 16,
-               timed=True)
+FULL = Setting("cuda", ("178m", "512m"), "178m", 6, tuple(matrix_shapes("178m")), "small", 64, "178m", 2048,
+               16, timed=True)
 # The merge check takes one 178m shape on the CPU too: its figure is the resident high-water
 # mark there, in which the interpreter's own allocations would swamp a tiny model's deltas.
-DRY = Setting("cpu", ("tiny",), "tiny", ((1024, 1024),), "tiny", "tiny", 64, 8, timed=False)
+DRY = Setting("cpu", ("tiny",), "tiny", 3, ((1024, 1024),), "tiny", 16, "tiny", 64, 8, timed=False)
 
 
 @dataclass
@@ -155,15 +158,16 @@ def fast_modes(setting: Setting) -> list[Row]:
     return rows
 
 
-def train(out: Path, **overrides) -> Trainer:
-    trainer = Trainer(resolve(None, {**TINY, **overrides}), out, progress=False)
+def train(out: Path, preset: str | None = None, **overrides) -> Trainer:
+    trainer = Trainer(resolve(preset, {**TINY, **overrides}), out, progress=False)
     out.mkdir(parents=True, exist_ok=True)
     trainer.run()
     return trainer
 
 
 def every_method(setting: Setting, workdir: Path) -> Row:
-    losses = {m: train(workdir / f"method-{m}", method=m, device=setting.device).last_val_loss for m in METHODS}
+    losses = {m: train(workdir / f"method-{m}", method=m, device=setting.device,
+                       steps=setting.method_steps).last_val_loss for m in METHODS}
     bad = sorted(m for m, loss in losses.items() if loss is None or not math.isfinite(loss))
     return Row(f"every method trains the tiny model on {setting.device}",
                f"{len(losses) - len(bad)} of {len(losses)} finite" + (f"; not: {', '.join(bad)}" if bad else ""),
@@ -174,7 +178,7 @@ def offload_memory(setting: Setting) -> Row:
     # From R = 2: with offload, one worker's moments are prefetched to the GPU while another
     # trains, a constant from the second worker on.
     preset, device = setting.memory_preset, setting.device
-    configs = [(preset, r, offload, 64, 32, device) for offload in (False, True) for r in (2, 4)]
+    configs = [(preset, r, offload, setting.memory_batch, 32, device) for offload in (False, True) for r in (2, 4)]
     (two, params), (four, _), (two_off, _), (four_off, _) = fresh_process_peaks(configs)
     per_worker = [(b - a) / 2 / (WORKER_BYTES_PER_PARAM * params) for a, b in ((two, four), (two_off, four_off))]
     offloads = device.startswith("cuda")  # on a CPU run the state is already in host memory
@@ -248,22 +252,20 @@ def deterministic(setting: Setting, workdir: Path) -> Row:
 
 
 def launched_pair(setting: Setting, workdir: Path, label: str, extra: dict, island_args: list[str]) -> float:
-    """Largest relative difference of θ between a run of the tiny model on one process and on
+    """Largest relative difference of θ between a run of the tiny model in this process and on
     two (`isoloco launch --nproc 2`), with `extra` items on both and `island_args` on the two."""
-    args = [f"{key}={value}" for key, value in {**TINY, "method": "isoloco", "device": setting.device,
-                                                **extra}.items()]
-    runs = {"alone": [], "launched": ["launch", "--nproc", "2", "--"]}
-    finals = {}
-    for run, prefix in runs.items():
-        out = workdir / f"{label}-{run}"
-        more = island_args if run == "launched" else []
-        done = subprocess.run([sys.executable, "-m", "isoloco", *prefix, "train", *args, *more, "--out", str(out),
-                               "--quiet"], capture_output=True, text=True)
-        if done.returncode:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"the {label} {run} run exited {done.returncode}: {last}")
-        finals[run] = ckpt.load_tensors(ckpt.latest_checkpoint(out / CHECKPOINT_DIR), "global")
-    return max(relative(finals["launched"][n], finals["alone"][n]) for n in finals["alone"])
+    overrides = {"method": "isoloco", "device": setting.device, **extra}
+    alone = train(workdir / f"{label}-alone", DEFAULT_PRESET, **overrides)  # what `isoloco train` resolves
+    out = workdir / f"{label}-launched"
+    args = [f"{key}={value}" for key, value in {**TINY, **overrides}.items()]
+    done = subprocess.run([sys.executable, "-m", "isoloco", "launch", "--nproc", "2", "--", "train", *args,
+                           *island_args, "--out", str(out), "--quiet"], capture_output=True, text=True)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the {label} launched run exited {done.returncode}: {last}")
+    launched = ckpt.load_tensors(ckpt.latest_checkpoint(out / CHECKPOINT_DIR), "global")
+    return max(relative(launched[name], theta.cpu()) for (name, _), theta in zip(alone.named_params,
+                                                                                 alone.global_params))
 
 
 def island(setting: Setting, workdir: Path) -> Row:

@@ -1,5 +1,5 @@
 """Suite-wide settings: offline hub, one shared data cache per test session, the test device,
-a package logger reset after each test.
+a package logger reset after each test, what a forkserver preloads.
 
 `ISOLOCO_TEST_DEVICE` (default cpu) is where the device-agnostic training tests run, e.g.
 `ISOLOCO_TEST_DEVICE=cuda make test` on a GPU machine; tests marked `cuda` need a GPU and are
@@ -7,6 +7,7 @@ skipped, saying so, where torch sees none.
 """
 
 import logging
+import multiprocessing
 import os
 
 import pytest
@@ -14,6 +15,12 @@ import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Tests that start processes with the "forkserver" method fork them from one server that has
+# imported these once (a spawned interpreter takes seconds of CPU to import them). The server
+# starts at the first such test, and its processes inherit its environment, not the test's.
+multiprocessing.set_forkserver_preload(["isoloco.trainer", "isoloco.distributed",
+                                        "transformers.models.llama.modeling_llama"])
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -64,12 +64,17 @@ def _merge_once(comm: Communicator, shapes: list[tuple[str, torch.Size]], deltas
     OuterStep(params, merge, outer, comm, seed=0).step(local, round=0)
 
 
+#: How `spawn_job` starts its processes (the tests fork them from a server with torch imported).
+START_METHOD = "spawn"
+
+
 def spawn_job(fn: Callable[..., None], processes: int, *args: object) -> dict:
     """Run fn(rank, processes, port, *args, out) in `processes` gloo processes; rank 0 writes
     the JSON it returns to `out`."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "counts.json"
-        mp.start_processes(fn, args=(processes, free_port(), *args, str(out)), nprocs=processes, start_method="spawn")
+        mp.start_processes(fn, args=(processes, free_port(), *args, str(out)), nprocs=processes,
+                           start_method=START_METHOD)
         return json.loads(out.read_text())
 
 
