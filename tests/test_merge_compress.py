@@ -271,3 +271,14 @@ def test_two_islands_send_under_a_hundredth_of_float32s_bytes_with_the_simulator
     # At the `quick` preset's vocabulary (the issue's command) the same count is under 1% of float32's.
     quick = [shape for _, shape in parameter_shapes("tiny")]
     assert wire_bytes_per_merge(quick, compressed, 2) <= 0.01 * wire_bytes_per_merge(quick, MergeConfig(), 2)
+
+
+def test_the_clamp_is_recorded_in_the_metrics(tmp_path):
+    from isoloco.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", *SMALL_ARGS, "workers=2", "inner_steps=2", "steps=2", "eval_every=2", "data.val_tokens=256",
+                 "merge.compress=lowrank", "merge.compress_rank=100", "--out", str(run), "--quiet"]) == 0
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    clamped = last["compress_rank_clamped"]
+    assert clamped["model.embed_tokens.weight"] == 64 and clamped["model.layers.0.mlp.up_proj.weight"] == 64
