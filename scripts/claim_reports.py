@@ -76,7 +76,7 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
                      ("strongest/isoloco-mu0.6-lr1.5", "*-R16-H30-s*", "tuned-")],
     # Compressed and delayed pseudo-gradients (scripts/link_science.sh), one sweep folder per setting.
     "link-science": [("main", "dp-s*", ""), ("link/*", "*-R8-H30-s*", "{sweep}-")],
-    # The compressed sum (scripts/compressed_science.sh): tuned DiLoCo and IsoLoCo at R = 8 and 16,
+    # The compressed sum (scripts/tuned_science.sh compressed): tuned DiLoCo and IsoLoCo at R = 8 and 16,
     # exact and compressed, seeds 1-3 (seed 0 chose the tuned settings).
     "compressed-science": [("main", "dp-s[123]", ""), ("compressed/*", "*-s*", "{sweep}-")],
     # Compression at 100× (scripts/tuned_science.sh compress): R = 8, against the compressed grid's
@@ -154,7 +154,7 @@ COMPRESS_SETTINGS = (
     *({"compress": "lowrank", "rank": r, "quantize": "int8", "feedback": True} for r in (8, 4, 2, 1)),
     *({"compress": "topk", "density": d, "quantize": "int8", "feedback": True} for d in (0.1, 0.03, 0.01)),
 )
-#: scripts/compressed_science.sh's settings other than the exact one, as `compressed_label` arguments.
+#: scripts/tuned_science.sh compressed's settings other than the exact one, as `compressed_label` arguments.
 COMPRESSED_SETTINGS = ({"quantize": "int8"}, {"quantize": "int8", "feedback": True}, {"quantize": "int4"},
                        {"quantize": "int4", "feedback": True})
 #: scripts/link_science.sh's settings other than the exact one, as `link_label` arguments.
