@@ -176,3 +176,34 @@ def test_the_link_tables_and_plot_cover_every_case(tmp_path):
     assert compress.rows[1][1].startswith("32.0 KiB (") and compress.rows[1][1].endswith(", 32.0×")
     link.plot(results, tmp_path / "link.png")
     assert (tmp_path / "link.png").stat().st_size > 10_000
+
+
+def test_goodput_keeps_the_rounds_a_life_committed_and_went_on_from():
+    from isoloco.bench.goodput import healed_at, kept_steps
+
+    H = 3
+    # Stopped in round 2: rounds 0 and 1 went on to the next, round 2 is cut short.
+    assert kept_steps(list(range(8)), H) == [True] * 6 + [False] * 2
+    # Killed after step 4: its unfinished round 1 is lost.
+    assert kept_steps([0, 1, 2, 3, 4], H) == [True] * 3 + [False] * 2
+    # A failed commit: round 1 trained again, only the second attempt counts.
+    assert kept_steps([0, 1, 2, 3, 4, 5, 3, 4, 5, 6], H) == [True] * 3 + [False] * 3 + [True] * 3 + [False]
+    # A restarted life: its own round 0 is replaced when it heals and jumps to the survivor's round 3.
+    restarted = [0, 1, 2, 9, 10, 11, 12]
+    assert kept_steps(restarted, H) == [False] * 3 + [True] * 3 + [False]
+    assert healed_at(restarted) == 3 and healed_at([0, 1, 2, 3]) is None
+
+
+def test_goodput_counts_a_carried_late_round_only_when_its_worker_arrives_later():
+    from isoloco.bench.goodput import late_config, work_kept
+
+    for quick in (True, False):
+        drop, carry = late_config("diloco", "drop", quick), late_config("diloco", "carry", quick)
+        rounds = drop.train_steps // drop.inner_steps
+        late = [[drop.faults.is_late(drop.seed, r, w) for w in range(drop.workers)] for r in range(rounds)]
+        on_time = sum(not x for row in late for x in row)
+        assert work_kept(drop) == on_time / (rounds * drop.workers)
+        lost = sum(late[r][w] and all(late[later][w] for later in range(r + 1, rounds))
+                   for r in range(rounds) for w in range(drop.workers))
+        assert work_kept(carry) == 1 - lost / (rounds * drop.workers)
+        assert work_kept(late_config("diloco", "none", quick)) == 1

@@ -15,7 +15,7 @@ import time
 import torch
 
 from isoloco import logs
-from isoloco.bench import comm, link, memory, ortho, outer, scale, throughput
+from isoloco.bench import comm, goodput, link, memory, ortho, outer, scale, throughput
 from isoloco.trainer import resolve_device
 
 TABLES = {
@@ -26,6 +26,7 @@ TABLES = {
     "memory": memory.tables,
     "scale": scale.tables,
     "link": link.tables,
+    "goodput": goodput.tables,
 }
 
 
