@@ -19,7 +19,7 @@ DiLoCo with isoloco's outer optimizer (and, for DARE, TIES, TSV and Iso-CTS, iso
 over torchft's quorum), and the script prints every round's training loss of its groups,
 where they ended and each one's validation loss (isoloco's evaluation, as `isoloco train`
 reports it). A bad option is refused in one line, exit status 2, before anything starts,
-and so is a key this example does not carry through torchft (`UNSUPPORTED`).
+and so is a key torchft does not carry (`isoloco.torchft.quorum.UNCARRIED`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from isoloco.config import TrainConfig, parse_overrides, resolve
 from isoloco.errors import ConfigError
 from isoloco.data import load_token_data
 from isoloco.model import MODEL_PRESETS
+from isoloco.torchft.quorum import refuse_uncarried
 from isoloco.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -48,32 +49,9 @@ if TYPE_CHECKING:
 
 DEFAULTS = {"workers": 2, "steps": 60, "inner_steps": 20, "checkpoint_every": 0}
 
-#: isoloco keys that torchft's DiLoCo here does not carry, with the value that means "off" and
-#: what to do instead: refused, since a run would otherwise ignore them and end as without.
-UNSUPPORTED = {
-    "merge.quantize": ("none", "this example all-reduces float32 pseudo-gradients; drop it, or compress with "
-                               "isoloco train / isoloco launch"),
-    "merge.compress": ("none", "this example all-reduces whole pseudo-gradients; drop it, or compress with "
-                               "isoloco train / isoloco launch"),
-    "outer.overlap_steps": (0, "torchft overlaps a synchronisation its own way: drop it and use --fragments N "
-                               "--sync-delay STEPS"),
-    "merge.weighting": ("equal", "torchft's quorum merges its groups with equal weights; drop it, or weigh by "
-                                 "tokens with isoloco train / isoloco launch"),
-    "faults.late_rate": (0.0, "torchft's own quorum decides who merges; drop it, or simulate late workers with "
-                              "isoloco train"),
-    "worker_speeds": ([], "every group trains H steps a round here; drop it, or simulate unequal workers with "
-                          "isoloco train"),
-}
-
-
 def check_example_config(cfg: TrainConfig, fragments: int) -> None:
-    """Refuse, in one line, what this example would silently not do."""
-    for key, (off, instead) in UNSUPPORTED.items():
-        value = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
-        if (list(value) if isinstance(value, tuple) else value) != off:
-            raise ConfigError(f"{key}={value} is not supported by the torchft example: {instead}")
+    """Refuse, in one line, what this example would silently not do, before torchft starts."""
+    refuse_uncarried(cfg)
     layers = MODEL_PRESETS[cfg.model].layers
     if not 1 <= fragments <= layers:
         raise ConfigError(f"--fragments {fragments} is not allowed: choose 1 to {layers} (a fragment is a block of "

@@ -595,6 +595,10 @@ def test_a_group_trains_where_its_config_says_and_talks_over_the_matching_backen
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="device='cuda' is not available"):
             check_group_config(resolve("quick", {"workers": 2, "device": "cuda"}), 0, 1)
+    # What torchft would silently not carry is refused by the library too, not only by the example.
+    for key, value in (("merge.compress", "lowrank"), ("merge.weighting", "tokens"), ("faults.late_rate", 0.3)):
+        with pytest.raises(ConfigError, match=f"{key}={value} is not supported under torchft"):
+            check_group_config(resolve("quick", {"workers": 2, key: value}), 0, 1)
 
 
 @pytest.mark.cuda

@@ -40,19 +40,20 @@ def example_env() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["merge.quantize=int8"], "merge.quantize=int8 is not supported by the torchft example: this example all-reduces "
+    (["merge.quantize=int8"], "merge.quantize=int8 is not supported under torchft: torchft's DiLoCo all-reduces "
                               "float32 pseudo-gradients; drop it, or compress with isoloco train / isoloco launch"),
-    (["merge.compress=topk"], "merge.compress=topk is not supported by the torchft example: this example all-reduces "
+    (["merge.compress=topk"], "merge.compress=topk is not supported under torchft: torchft's DiLoCo all-reduces "
                               "whole pseudo-gradients; drop it, or compress with isoloco train / isoloco launch"),
-    (["outer.overlap_steps=1"], "outer.overlap_steps=1 is not supported by the torchft example: torchft overlaps a "
-                                "synchronisation its own way: drop it and use --fragments N --sync-delay STEPS"),
-    (["merge.weighting=tokens"], "merge.weighting=tokens is not supported by the torchft example: torchft's quorum "
+    (["outer.overlap_steps=1"], "outer.overlap_steps=1 is not supported under torchft: torchft overlaps a "
+                                "synchronisation its own way: drop it and use its fragments and sync delay (the "
+                                "example's --fragments N --sync-delay STEPS)"),
+    (["merge.weighting=tokens"], "merge.weighting=tokens is not supported under torchft: torchft's quorum "
                                  "merges its groups with equal weights; drop it, or weigh by tokens with isoloco train "
                                  "/ isoloco launch"),
-    (["faults.late_rate=0.3"], "faults.late_rate=0.3 is not supported by the torchft example: torchft's own quorum "
+    (["faults.late_rate=0.3"], "faults.late_rate=0.3 is not supported under torchft: torchft's own quorum "
                                "decides who merges; drop it, or simulate late workers with isoloco train"),
-    (["worker_speeds=1,0.5"], "worker_speeds=[1.0, 0.5] is not supported by the torchft example: every group trains "
-                              "H steps a round here; drop it, or simulate unequal workers with isoloco train"),
+    (["worker_speeds=1,0.5"], "worker_speeds=[1.0, 0.5] is not supported under torchft: every group trains "
+                              "H steps a round under torchft; drop it, or simulate unequal workers with isoloco train"),
     (["--fragments", "0"], f"--fragments 0 {FRAGMENTS}"),
     (["--fragments", "-1"], f"--fragments -1 {FRAGMENTS}"),
     (["--fragments", "5"], f"--fragments 5 {FRAGMENTS}"),

@@ -17,7 +17,7 @@ private names that `isoloco.torchft.internals` gathers, with the version check.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed import ReduceOp
@@ -28,6 +28,36 @@ from isoloco.errors import ConfigError
 from isoloco.merge import MergeConfig, Merger
 from isoloco.torchft import internals
 from isoloco.torchft.optimizer import merges_in_quorum
+
+if TYPE_CHECKING:
+    from isoloco.config import TrainConfig
+
+#: isoloco keys torchft's DiLoCo does not carry, with the value that means "off" and what to do
+#: instead: refused, since a run would otherwise ignore them and end as without.
+UNCARRIED = {
+    "merge.quantize": ("none", "torchft's DiLoCo all-reduces float32 pseudo-gradients; drop it, or compress with "
+                               "isoloco train / isoloco launch"),
+    "merge.compress": ("none", "torchft's DiLoCo all-reduces whole pseudo-gradients; drop it, or compress with "
+                               "isoloco train / isoloco launch"),
+    "outer.overlap_steps": (0, "torchft overlaps a synchronisation its own way: drop it and use its fragments and "
+                               "sync delay (the example's --fragments N --sync-delay STEPS)"),
+    "merge.weighting": ("equal", "torchft's quorum merges its groups with equal weights; drop it, or weigh by "
+                                 "tokens with isoloco train / isoloco launch"),
+    "faults.late_rate": (0.0, "torchft's own quorum decides who merges; drop it, or simulate late workers with "
+                              "isoloco train"),
+    "worker_speeds": ([], "every group trains H steps a round under torchft; drop it, or simulate unequal workers "
+                          "with isoloco train"),
+}
+
+
+def refuse_uncarried(cfg: TrainConfig) -> None:
+    """Raise `ConfigError` for the first key of `UNCARRIED` that `cfg` sets."""
+    for key, (off, instead) in UNCARRIED.items():
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if (list(value) if isinstance(value, tuple) else value) != off:
+            raise ConfigError(f"{key}={value} is not supported under torchft: {instead}")
 
 
 class QuorumBroken(Exception):

@@ -34,7 +34,7 @@ from isoloco.inner import InnerOptimizer, forward_backward, mixed_precision
 from isoloco.model import build_model
 from isoloco.torchft import internals
 from isoloco.torchft.optimizer import outer_optimizers
-from isoloco.torchft.quorum import merge_in_quorum
+from isoloco.torchft.quorum import merge_in_quorum, refuse_uncarried
 from isoloco.trainer import resolve_device, use_deterministic_kernels
 
 try:
@@ -89,6 +89,7 @@ def check_group_config(cfg: TrainConfig, replica: int, fragments: int, sync_dela
     """Refuse, in one line, a config torchft's `DiLoCo` cannot run as isoloco would."""
     if cfg.algorithm != "diloco":
         raise ConfigError(f"method={cfg.method} is not DiLoCo: torchft's DiLoCo runs the DiLoCo methods only")
+    refuse_uncarried(cfg)
     if not 0 <= replica < cfg.workers:
         raise ConfigError(f"replica={replica} is not allowed: choose 0 to {cfg.workers - 1} (workers={cfg.workers})")
     if cfg.train_steps % cfg.inner_steps:
