@@ -183,6 +183,7 @@ def test_bad_compression_settings_are_refused(keys, message):
         merge.MergeConfig(compress="lowrank", **keys).validate()
 
 
+@pytest.mark.multiprocess
 def test_a_bad_compression_setting_exits_2_in_one_line_before_any_work(tmp_path):
     done = subprocess.run([sys.executable, "-m", "isoloco", "train", *SMALL_ARGS, "merge.compress=lowrank",
                            "merge.compress_rank=0", "--out", str(tmp_path / "run")], capture_output=True, text=True,
@@ -273,6 +274,7 @@ def test_two_islands_send_under_a_hundredth_of_float32s_bytes_with_the_simulator
     assert wire_bytes_per_merge(quick, compressed, 2) <= 0.01 * wire_bytes_per_merge(quick, MergeConfig(), 2)
 
 
+@pytest.mark.slow
 def test_the_clamp_is_recorded_in_the_metrics(tmp_path):
     from isoloco.cli import main
 
