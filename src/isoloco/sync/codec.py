@@ -257,6 +257,19 @@ def compress_with_feedback(delta: torch.Tensor, residual: torch.Tensor | None,
     return wire, residual
 
 
+def fold_residuals(islands: list[list[torch.Tensor]], residuals: list[list[torch.Tensor]] | None
+                   ) -> list[list[torch.Tensor]]:
+    """Error feedback's first half for structured compressors: island i sends x_i + e_i, so each
+    e_i takes x_i in place and the residuals are what is compressed (the compressor then
+    subtracts what it sent). Without `residuals`, the islands' tensors as they are."""
+    if residuals is None:
+        return islands
+    for island, kept in zip(islands, residuals):
+        for x, residual in zip(island, kept):
+            residual.add_(x)
+    return residuals
+
+
 def aligned(size: int) -> int:
     """`size` bytes rounded up to a multiple of 4: blobs laid end to end keep their float32 scales aligned."""
     return -(-size // 4) * 4

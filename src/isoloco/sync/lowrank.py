@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from isoloco.sync.codec import Quantization, dequantize, quantize
+from isoloco.sync.codec import Quantization, dequantize, fold_residuals, quantize
 from isoloco.sync.handles import Steps
 
 #: Sums a list of per-island lists of tensors over the islands (see `lowrank_sum`).
@@ -62,11 +62,7 @@ def lowrank_sum(islands: list[list[torch.Tensor]], factors: list[torch.Tensor], 
     `factors[t]` its warm-start Q, and `summed` adds per-island lists over all islands (the
     compressed sum). Returns (P̂ Q'ᵀ, Q' and P̂, per matrix). With `residuals` (like
     `islands`), X_i = x_i + e_i and e_i is updated in place."""
-    if residuals is not None:
-        for island, kept in zip(islands, residuals):
-            for x, residual in zip(island, kept):
-                residual.add_(x)
-        islands = residuals
+    islands = fold_residuals(islands, residuals)
     bases = [orthonormal(p) for p in (yield from summed([[x @ q for x, q in zip(island, factors)]
                                                          for island in islands]))]
     shares = [[x.T @ basis for x, basis in zip(island, bases)] for island in islands]

@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from isoloco.sync.codec import Quantization, Wire, aligned, dequantize, pad_aligned, quantize, wire_nbytes
+from isoloco.sync.codec import (Quantization, Wire, aligned, dequantize, fold_residuals, pad_aligned, quantize,
+                                wire_nbytes)
 from isoloco.sync.handles import Steps
 
 #: The largest chunk: indices within a chunk travel as uint16.
@@ -107,11 +108,7 @@ def topk_sum(islands: list[list[torch.Tensor]], spec: TopK, quantization: Quanti
     entries, and `gathered` all-gathers each island's encoded blob. Returns, per tensor, this
     process's chunks of the sum, flattened. With `residuals` (like `islands`), x_i = x_i + e_i
     and e_i is updated in place."""
-    if residuals is not None:
-        for island, kept in zip(islands, residuals):
-            for x, residual in zip(island, kept):
-                residual.add_(x)
-        islands = residuals
+    islands = fold_residuals(islands, residuals)
     numels = [x.numel() for x in islands[0]]
     blobs = []
     for island in islands:
