@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 # view -> [(sweep folder or pattern of folders, run-name pattern, prefix for the link's name)]
 VIEWS: dict[str, list[tuple[str, str, str]]] = {
@@ -83,6 +84,10 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
     # exact and int8 / int4 (with error feedback) runs of the same methods and seeds.
     "compress-science": [("main", "dp-s[123]", ""), ("compressed/*-exact", "*-R8-*", "{sweep}-"),
                          ("compressed/*-int[48]-ef", "*-R8-*", "{sweep}-"), ("compress/*", "*-R8-*", "{sweep}-")],
+    # Stragglers and late workers (scripts/tuned_science.sh stragglers): R = 8, against the compressed
+    # grid's exact runs of the same methods and seeds (fault-free, every worker at full speed).
+    "stragglers-science": [("main", "dp-s[123]", ""), ("compressed/*-exact", "*-R8-*", "{sweep}-"),
+                           ("stragglers/*", "*-R8-*", "{sweep}-")],
     # IsoLoCo's first rounds against the budget, and its robust variants (scripts/early_budget.sh):
     # the `quick` runs of every budget in one view (dp pairs by budget), repro-cpu's in another.
     "early-quick": [("early-budget/steps*", "*-s*", "{sweep}-")],
@@ -147,6 +152,33 @@ def compress_label(method: str, compress: str = "none", rank: int = 4, density: 
             f"merge.error_feedback={feedback} merge.quantize={quantize}")
 
 
+def straggler_label(method: str, speeds: str = "", weighting: str = "equal", late: str = "drop",
+                    rate: float = 0.0) -> str:
+    """A run label of the stragglers-science view (the keys its runs vary, each method at its tuned
+    outer step; no speeds: every worker at full speed)."""
+    return (f"{method} faults.late={late} faults.late_rate={rate} merge.weighting={weighting} "
+            f"worker_speeds={speeds}")
+
+
+#: scripts/tuned_science.sh stragglers's settings, as `straggler_label` arguments (the fault-free
+#: runs are the reference).
+STRAGGLER_SETTINGS = (
+    *({"speeds": "1.0,0.25", "weighting": w} for w in ("equal", "tokens")),
+    *({"rate": r, "late": late} for r in (0.1, 0.3) for late in ("drop", "carry")),
+)
+
+
+def tuned_pairs(label: Callable[..., str], settings: tuple[dict, ...], head_to_head: bool = True) -> list[str]:
+    """The --compare pairs of a tuned-science view: what each setting costs each method against
+    its reference runs (`label(method)`), the two costs contrasted, IsoLoCo against DiLoCo under
+    each setting (`head_to_head`), and at the reference."""
+    return [*(f"{label(m, **kw)}:{label(m)}" for kw in settings for m in ("isoloco", "diloco")),
+            *(f"{label('isoloco', **kw)}:{label('isoloco')}::{label('diloco', **kw)}:{label('diloco')}"
+              for kw in settings),
+            *(f"{label('isoloco', **kw)}:{label('diloco', **kw)}" for kw in settings if head_to_head),
+            f"{label('isoloco')}:{label('diloco')}"]
+
+
 #: scripts/tuned_science.sh compress's settings, and the compressed grid's it reuses, as
 #: `compress_label` arguments (the exact runs are the reference).
 COMPRESS_SETTINGS = (
@@ -200,17 +232,9 @@ REPORTS: dict[str, list[str]] = {
     "r1-fedavg": [f"{TUNED_ISOLOCO}:diloco_sgd", "isoloco outer.lr=1.2 outer.momentum=0.8:diloco_sgd",
                   f"diloco_sgd:{TUNED_DILOCO}", "diloco_sgd:dp"],
     "claim4-tuned": ["isoloco:isoc outer.lr=2.1", "isoloco:isoc outer.lr=3.0"],
-    "compressed-science": [
-        *(f"{compressed_label(m, **kw)}:{compressed_label(m)}" for kw in COMPRESSED_SETTINGS for m in ("isoloco", "diloco")),
-        *(f"{compressed_label('isoloco', **kw)}:{compressed_label('isoloco')}::{compressed_label('diloco', **kw)}:"
-          f"{compressed_label('diloco')}" for kw in COMPRESSED_SETTINGS),
-        f"{compressed_label('isoloco')}:{compressed_label('diloco')}"],
-    "compress-science": [
-        *(f"{compress_label(m, **kw)}:{compress_label(m)}" for kw in COMPRESS_SETTINGS for m in ("isoloco", "diloco")),
-        *(f"{compress_label('isoloco', **kw)}:{compress_label('isoloco')}::{compress_label('diloco', **kw)}:"
-          f"{compress_label('diloco')}" for kw in COMPRESS_SETTINGS),
-        *(f"{compress_label('isoloco', **kw)}:{compress_label('diloco', **kw)}" for kw in COMPRESS_SETTINGS),
-        f"{compress_label('isoloco')}:{compress_label('diloco')}"],
+    "compressed-science": tuned_pairs(compressed_label, COMPRESSED_SETTINGS, head_to_head=False),
+    "compress-science": tuned_pairs(compress_label, COMPRESS_SETTINGS),
+    "stragglers-science": tuned_pairs(straggler_label, STRAGGLER_SETTINGS),
     "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [], "tune-small": [], "strongest-search": [], "spectra": [],
 }
 
