@@ -40,8 +40,11 @@ demo: install
 	@$(BIN)/python -c "$$DEMO_CHECK" $(DEMO_OUT)/summary.json $(DEMO_SPREAD)
 
 # One thread per process: several tests start 2-4 training processes at once on 2 cores.
+# TEST_WORKERS pytest processes (pytest-xdist) share the files out whole, so a module's
+# fixtures (training runs several tests read) are built once; 0 runs them in this process.
+TEST_WORKERS ?= 2
 test: install
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The quick subset while editing: no test that starts processes or trains for seconds.
 test-fast: install

@@ -1,5 +1,5 @@
-"""IsoLoCo and every merge rule inside torchft's DiLoCo: the simulator's numbers, and recovery
-of a killed group.
+"""IsoLoCo and every merge rule inside torchft's DiLoCo: the simulator's numbers (a killed group
+is tests/test_torchft_faults.py).
 
 Replica groups are real processes talking through a torchft lighthouse and gloo on 127.0.0.1;
 a few tests of the merge in the quorum use a stand-in for torchft's Manager instead.
@@ -8,30 +8,22 @@ Select these tests with ``pytest -m torchft`` (they need the extra: ``pip instal
 
 from __future__ import annotations
 
-import json
-import math
-import multiprocessing
-import os
-import signal
 import statistics
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from isoloco.comm import LocalCommunicator
 from isoloco.config import TrainConfig, resolve
 from isoloco.errors import ConfigError
 from isoloco.data import load_token_data
-from isoloco.merge import MergeConfig, Participation, ties
+from isoloco.merge import MergeConfig, ties
 from isoloco.model import build_model
-from isoloco.outer import OuterStep
-from isoloco.torchft import QuorumCommunicator, internals, merge_in_quorum
+from isoloco.torchft import QuorumCommunicator, merge_in_quorum
 from isoloco.trainer import Trainer
 
 import helpers
+from torchft_groups import JOIN_S, QUORUM_METHODS, SPAWN, TINY, config, join_groups
 
 pytest.importorskip("torchft", reason="the torchft extra is not installed: pip install -e '.[torchft]'")
 
@@ -42,8 +34,6 @@ from isoloco.torchft.replica import (GroupRun, JointInnerStep, model_fragments, 
 
 pytestmark = [pytest.mark.torchft, pytest.mark.multiprocess]
 
-# The simulator tests' tiny setting (tests/test_trainer.py): 2 workers, 3 outer steps.
-TINY = {**helpers.SMALL, "steps": 6, "inner_steps": 2, "workers": 2, "eval_every": 6, "device": "cpu"}
 
 #: Outer steps checked against the simulator: IsoLoCo exact and fast, both placements, the mean,
 #: and the rules merged by isoloco's collectives in torchft's quorum.
@@ -59,17 +49,8 @@ EQUIVALENT = {
     "isocts": {"method": "isocts"},
 }
 
-#: The methods whose rule torchft's all-reduce of the mean does not carry.
-QUORUM_METHODS = ["dare", "ties", "tsv", "isocts"]
-
 INIT_SYNC = "init_sync"  # the first EQUIVALENT config with torchft's default init_sync=True
-SPAWN = multiprocessing.get_context("spawn")
-JOIN_S = 300  # every process here finishes in well under a minute; this only bounds a hang
 EXAMPLE = Path(__file__).parents[1] / "examples" / "torchft_isoloco.py"
-
-
-def config(**overrides) -> TrainConfig:
-    return resolve(None, {**TINY, **overrides})
 
 
 def _group(configs: dict[str, TrainConfig], replica: int, lighthouse: str, out: Path) -> None:
@@ -80,17 +61,6 @@ def _group(configs: dict[str, TrainConfig], replica: int, lighthouse: str, out: 
         run_replica_group(cfg, replica, lighthouse).save(out / f"{name}-{replica}")
     name, cfg = next(iter(configs.items()))
     run_replica_group(cfg, replica, lighthouse, init_sync=True).save(out / f"{INIT_SYNC}-{replica}")
-
-
-def _join(processes: list, deadline_s: float = JOIN_S) -> None:
-    """Wait for every process; kill any still running at the deadline and fail."""
-    end = time.monotonic() + deadline_s
-    for process in processes:
-        process.join(max(0.0, end - time.monotonic()))
-    hung = [p for p in processes if p.is_alive()]
-    for process in hung:
-        process.kill()
-    assert not hung, f"replica group process(es) {hung} did not finish within {deadline_s} s"
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -108,7 +78,7 @@ def torchft_runs(tmp_path_factory) -> dict[str, list[GroupRun]]:
     try:
         for group in groups:
             group.start()
-        _join(groups)
+        join_groups(groups)
     finally:
         server.shutdown()
     assert [g.exitcode for g in groups] == [0, 0]
@@ -358,7 +328,7 @@ def test_an_all_reduce_overlapping_an_inner_step_keeps_the_groups_in_step(tmp_pa
             groups = [SPAWN.Process(target=_delayed_group, args=(cfg, r, address, tmp_path, delay)) for r in range(2)]
             for group in groups:
                 group.start()
-            _join(groups)
+            join_groups(groups)
             assert [g.exitcode for g in groups] == [0, 0]
     finally:
         server.shutdown()
@@ -396,193 +366,6 @@ def test_muon_and_adamw_step_inside_torchfts_hooks():
     joint.step(0)
     assert stepped == [("Muon", True), ("AdamW", True)] and locked == [True, False]
     assert all(param.grad is None for param in model.parameters())  # the whole inner step ran
-
-
-# ------------------------------------------------------------------------------ the fault
-
-FAULT = {"steps": 8}  # 4 outer steps of H = 2
-KILL_AT = 2  # replica group 1 dies after this step: the middle of round 1
-ALONE = 3  # the survivor's step whose synchronisation it commits alone: the end of round 1
-#: The groups each round merges: both; the survivor alone while group 1 is dead; both again
-#: from round 2, where group 1's second life heals from the survivor.
-QUORUMS = {0: [0, 1], 1: [0], 2: [0, 1], 3: [0, 1]}
-REJOIN = 2
-#: Every rule: the mean and Iso-C (torchft's all-reduce of the mean) and those merged in the quorum.
-FAULT_METHODS = ["diloco", "isoloco", *QUORUM_METHODS]
-
-
-def _meet(out: Path, mine: str, theirs: str) -> None:
-    """Say `mine` and wait until the other process has said `theirs` (files in `out`): a group
-    heartbeating to the lighthouse is waited for by a quorum, so this orders who joins which."""
-    (out / mine).touch()
-    end = time.monotonic() + JOIN_S
-    while not (out / theirs).exists():
-        assert time.monotonic() < end, f"{theirs} never came"
-        time.sleep(0.05)
-
-
-def _record_synchronisations(prefix: Path) -> None:
-    """Have torchft's fragments in this process write each synchronisation they commit or not
-    as `prefix`-sync<round>: θ before it, the pseudo-gradient torchft has just taken (before any
-    merge reads it), θ after it, the number of groups in the quorum and whether it committed."""
-    from torchft.local_sgd import _StreamingDiLoCoFragment as Fragment
-
-    take, synchronise = Fragment._save_grads, Fragment.perform_sync
-    taken: dict = {}
-
-    def save_grads(fragment) -> None:
-        take(fragment)
-        manager = internals.fragment_manager(fragment)
-        taken.update(round=manager.current_step(), participants=manager.num_participants(), tensors={
-            **{f"delta.{n}": g.clone() for n, g in internals.pseudo_gradients(fragment).items()},
-            **{f"before.{n}": p.clone() for n, p in fragment.original_parameters.items()}})
-
-    def perform_sync(fragment) -> bool:
-        committed = synchronise(fragment)
-        path = f"{prefix}-sync{taken['round']}"
-        save_file({**taken.pop("tensors"), **{f"after.{n}": p.detach().clone()
-                                              for n, p in internals.fragment_model(fragment).named_parameters()}},
-                  f"{path}.safetensors")
-        Path(f"{path}.json").write_text(json.dumps({**taken, "committed": committed}))
-        return committed
-
-    Fragment._save_grads, Fragment.perform_sync = save_grads, perform_sync
-
-
-class _Survivor:
-    """Replica group 0: it starts training once group 1 has, so both are in the first quorum;
-    once it has committed round 1 alone, it waits for group 1's second life to be training, so
-    that the next quorum takes both (not a third round alone)."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def __call__(self, step: int, loss: float, model: torch.nn.Module) -> None:
-        if step == 0:
-            _meet(self.out, "started-0", "started-1")
-        if step == ALONE:
-            _meet(self.out, "alone", "back")
-
-
-class _Killed:
-    """The first life of replica group 1: SIGKILL mid-round, as a crashed machine."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def __call__(self, step: int, loss: float, model: torch.nn.Module) -> None:
-        if step == 0:
-            _meet(self.out, "started-1", "started-0")
-        if step == KILL_AT:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-class _Restarted:
-    """The second life of replica group 1: after its first step it waits until the survivor has
-    committed round 1 alone, so its first synchronisation can only join the survivor's round 2."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.started = False
-
-    def __call__(self, step: int, loss: float, model: torch.nn.Module) -> None:
-        if not self.started:
-            self.started = True
-            _meet(self.out, "back", "alone")
-
-
-def _fault_group(cfg: TrainConfig, replica: int, lighthouse: str, out: Path, on_step, name: str) -> None:
-    torch.set_num_threads(1)
-    _record_synchronisations(out / name)
-    run_replica_group(cfg, replica, lighthouse, on_step=on_step).save(out / name)
-
-
-@pytest.fixture(scope="module", params=FAULT_METHODS)
-def killed_group(request, tmp_path_factory) -> tuple[TrainConfig, Path]:
-    """One run per rule of 2 replica groups whose group 1 is SIGKILLed mid-round 1 and restarted
-    (`QUORUMS`): the config, and the folder of the groups' runs and synchronisations."""
-    out = tmp_path_factory.mktemp(f"killed-{request.param}")
-    cfg = config(**FAULT, method=request.param)
-    load_token_data(cfg.data)
-    # min_replicas=1: the survivor's round 1 forms a quorum of one once the killed group has
-    # missed its heartbeats for 1 s.
-    server, address = start_lighthouse(min_replicas=1, heartbeat_timeout_ms=1000)
-
-    def start(replica: int, on_step, name: str):
-        process = SPAWN.Process(target=_fault_group, args=(cfg, replica, address, out, on_step, name))
-        process.start()
-        return process
-
-    processes = []
-    try:
-        processes.append(start(0, _Survivor(out), "survivor"))
-        processes.append(start(1, _Killed(out), "killed"))
-        _join(processes[1:])
-        assert processes[1].exitcode == -signal.SIGKILL
-        processes.append(start(1, _Restarted(out), "restarted"))
-        _join(processes)
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-        server.shutdown()
-    assert [p.exitcode for p in processes] == [0, -signal.SIGKILL, 0]
-    return cfg, out
-
-
-def test_a_killed_group_recovers_through_torchft(killed_group):
-    _, out = killed_group
-    survivor, restarted = GroupRun.load(out / "survivor"), GroupRun.load(out / "restarted")
-    # The survivor trained every step once, committed every outer step, at a finite loss.
-    assert survivor.steps == list(range(8)) and survivor.outer_steps == 4
-    assert all(math.isfinite(loss) for loss in survivor.losses + restarted.losses)
-    # The restarted group trained one round of its own (discarded), recovered the survivor's
-    # state at its first synchronisation (the survivor's round 2) and continued at its step.
-    assert restarted.steps == [0, 1, 6, 7] and restarted.outer_steps == 4
-    for name, value in restarted.params.items():
-        assert torch.equal(value, survivor.params[name]) and torch.isfinite(value).all(), name
-
-
-def _committed(out: Path, lives: list[str]) -> dict[int, tuple[dict, dict[str, torch.Tensor]]]:
-    """A replica group's committed synchronisations over its lives, by round: (record, tensors)."""
-    syncs = {}
-    for life in lives:
-        for path in out.glob(f"{life}-sync*.json"):
-            record = json.loads(path.read_text())
-            if record["committed"]:
-                syncs[record["round"]] = record, load_file(path.with_suffix(".safetensors"))
-    return syncs
-
-
-def test_a_changing_quorum_merges_as_the_simulators_partial_merge(killed_group):
-    """Every committed round, in every group, is the simulator's outer step on the pseudo-gradients
-    of the groups that committed it, merged as a partial merge of those workers (`Participation`):
-    recomputed here, in one process, from what the groups recorded."""
-    cfg, out = killed_group
-    groups = {0: _committed(out, ["survivor"]), 1: _committed(out, ["killed", "restarted"])}
-    assert {round: [r for r in groups if round in groups[r]] for round in range(4)} == QUORUMS
-    # torchft's recovery copies the survivor's state, its trained weights included, so the group
-    # that rejoins sends the survivor's pseudo-gradient: that round merges it twice.
-    rejoin = [groups[r][REJOIN][1] for r in (0, 1)]
-    assert all(torch.equal(value, rejoin[1][key]) for key, value in rejoin[0].items() if key.startswith("delta."))
-    model = build_model(cfg.model, load_token_data(cfg.data).vocab_size, cfg.seq_len, cfg.seed)
-    names = {param: name for name, param in model.named_parameters()}
-    torchft_names = {name: names[param] for name, param in model_fragments(model, 1)[0].named_parameters()}
-    params = dict(model.named_parameters())
-    outer = OuterStep(list(params.items()), cfg.merge, cfg.outer, LocalCommunicator(cfg.workers), cfg.seed)
-    for round, arrived in QUORUMS.items():
-        for replica in arrived:
-            record, tensors = groups[replica][round]
-            assert record["participants"] == len(arrived)
-            for name, ours in torchft_names.items():  # every group starts the round from the reference's θ
-                assert torch.equal(tensors[f"before.{name}"], params[ours].detach()), (round, replica, name)
-        deltas = {ours: [groups[r][round][1][f"delta.{name}"] if r in arrived else torch.zeros_like(params[ours])
-                         for r in range(cfg.workers)] for name, ours in torchft_names.items()}
-        outer.step(deltas, round, participation=Participation(tuple(arrived)))
-        for replica in arrived:
-            tensors = groups[replica][round][1]
-            for name, ours in torchft_names.items():
-                assert torch.equal(tensors[f"after.{name}"], params[ours].detach()), (round, replica, name)
 
 
 def test_a_group_trains_where_its_config_says_and_talks_over_the_matching_backend():
