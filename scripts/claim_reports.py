@@ -326,6 +326,13 @@ def _cells(line: str) -> list[str]:
     return [cell.strip() for cell in line.strip().strip("|").split("|")]
 
 
+def table_rows(file: Path, section: str, rows: str | None = None) -> list[dict[str, str]]:
+    """The rows of a report's table (`report_table`'s arguments) as {column: cell}; [] without it."""
+    table = report_table(file, section, rows) or []
+    header = _cells(table[0]) if table else []
+    return [dict(zip(header, _cells(row))) for row in table[2:] if row.startswith("|")]
+
+
 def quoted_tests(doc: Path) -> list[dict[str, str]]:
     """Every paired test in the compare tables `doc` quotes (the rows its markers keep), once: a row
     two tables share (the same R, H, seeds, difference and interval) counts once. A row without a
@@ -335,10 +342,7 @@ def quoted_tests(doc: Path) -> list[dict[str, str]]:
         marker = MARKER.match(line)
         if not marker or not marker["file"].endswith("compare.md"):
             continue
-        table = report_table(Path(marker["file"]), marker["section"], marker["rows"]) or []
-        header = _cells(table[0]) if table else []
-        for row in (line for line in table[2:] if line.startswith("|")):
-            cells = dict(zip(header, _cells(row)))
+        for cells in table_rows(Path(marker["file"]), marker["section"], marker["rows"]):
             if cells.get("p (BH)", "—") == "—":
                 continue
             # The difference and equivalence columns are named after the pair and the margin.
