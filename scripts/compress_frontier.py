@@ -104,7 +104,7 @@ def markdown(rows: list[dict]) -> str:
     best = [f"- {method}: {r['variant']}, {r['ratio']:.1f}× fewer bytes than float32"
             for method, r in sorted(largest_equivalent(rows).items())]
     return "\n".join(["# Compression frontier", "", "`python scripts/compress_frontier.py` writes this file.", "",
-                      *lines, "", "## The largest compression equivalent to exact within ±1% (TOST)", "",
+                      "## By setting", "", *lines, "", "## The largest compression equivalent to exact within ±1% (TOST)", "",
                       *(best or ["- none yet"]), ""])
 
 
