@@ -45,6 +45,17 @@ def merge_config(variant: str) -> MergeConfig:
     return MergeConfig(**fields)
 
 
+def setting_name(merge: MergeConfig) -> str:
+    """A short name of a setting of the view: what crosses the link."""
+    values = "float32" if merge.quantize == "none" else merge.quantize
+    feedback = ", error feedback" if merge.error_feedback else ""
+    if merge.compress == "lowrank":
+        return f"low rank {merge.compress_rank}, {values} factors{feedback}"
+    if merge.compress == "topk":
+        return f"top-k {merge.compress_density:.0%}, {values} values{feedback}"
+    return f"{values}{feedback}"
+
+
 def frontier(root: Path) -> list[dict]:
     """One row per method and setting: its bytes, ×float32 and final loss (mean, sd, seeds), its
     equivalence test against the method's exact runs and IsoLoCo − DiLoCo under it ("—": not in
@@ -53,19 +64,22 @@ def frontier(root: Path) -> list[dict]:
     float32 = wire_bytes_per_merge(shapes, MergeConfig(), ISLANDS)
     pairs = {row["A − B"]: row for row in table_rows(root / VIEW / "compare.md", "Every pair")
              if row["R"] == str(ISLANDS)}
-    rows = []
+    rows = []  # one seed has no spread: sd 0
     with open(root / VIEW / "summary.csv") as summary:
         for row in csv.DictReader(summary):
             if row["method"] == "dp" or row["R"] != str(ISLANDS):
                 continue
-            wire = wire_bytes_per_merge(shapes, merge_config(row["variant"]), ISLANDS)
+            merge = merge_config(row["variant"])
+            wire = wire_bytes_per_merge(shapes, merge, ISLANDS)
             to_exact = pairs.get(f"{row['method']} {row['variant']} − {compress_label(row['method'])}", {})
             head_to_head = pairs.get(f"isoloco {row['variant']} − diloco {row['variant']}", {})
-            rows.append({"method": row["method"], "variant": row["variant"], "bytes": wire, "ratio": float32 / wire,
-                         "loss": float(row["final_val_loss_mean"]), "sd": float(row["final_val_loss_std"] or 0),  # one seed: no spread
-                         "seeds": row["seeds"], "to_exact": to_exact.get("equivalence (±1%)", "—"),
-                         "head_to_head": " ".join(head_to_head.get(k, "—") for k in ("A − B (final loss)",
-                                                                                     "call after BH"))})
+            call = head_to_head.get("call after BH", "—").replace(f" {row['variant']} lower", " lower")
+            rows.append({"method": row["method"], "variant": row["variant"], "setting": setting_name(merge),
+                         "bytes": wire, "ratio": float32 / wire,
+                         "loss": float(row["final_val_loss_mean"]), "sd": float(row["final_val_loss_std"] or 0),
+                         "seeds": row["seeds"], "diverged": int(row["runs_ended_above_unigram"]),
+                         "to_exact": to_exact.get("equivalence (±1%)", "—"),
+                         "head_to_head": f"{head_to_head.get('A − B (final loss)', '—')}, {call}"})
     return sorted(rows, key=lambda r: (r["method"], -r["bytes"]))
 
 
@@ -80,11 +94,24 @@ def largest_equivalent(rows: list[dict]) -> dict[str, dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    figure, axes = plt.subplots(figsize=(6.4, 4.2))
-    for method in sorted({r["method"] for r in rows}):
-        mine = [r for r in rows if r["method"] == method]
-        axes.errorbar([r["bytes"] for r in mine], [r["loss"] for r in mine], yerr=[r["sd"] for r in mine],
-                      marker="o", capsize=3, label=method)
+    """One colour per method and one line per compressor (dense quantisation, low rank, top-k),
+    each through its settings. Settings where a seed diverged (ended above the unigram baseline)
+    are left off the lines and named at the top edge, so they do not flatten the others."""
+    figure, axes = plt.subplots(figsize=(7.2, 4.6))
+    colours = dict(zip(sorted({r["method"] for r in rows}), ("tab:blue", "tab:orange", "tab:green")))
+    styles = {"none": ("-", "o", "dense"), "lowrank": ("--", "s", "low rank"), "topk": (":", "^", "top-k")}
+    for method, colour in colours.items():
+        for compress, (style, marker, family) in styles.items():
+            kept = [r for r in rows if r["method"] == method and not r["diverged"]
+                    and merge_config(r["variant"]).compress == compress]
+            axes.errorbar([r["bytes"] for r in kept], [r["loss"] for r in kept], yerr=[r["sd"] for r in kept],
+                          linestyle=style, marker=marker, capsize=3, color=colour, label=f"{method}, {family}")
+    diverged = [r for r in rows if r["diverged"]]
+    for index, r in enumerate(diverged):
+        axes.annotate(f"{r['method']}, {r['setting'].split(',')[0]}: {r['diverged']} of {r['seeds']} seeds diverged",
+                      (r["bytes"], 1), xycoords=("data", "axes fraction"), textcoords="axes fraction",
+                      xytext=(0.3, 0.95 - 0.05 * index), ha="left", fontsize=7, color=colours[r["method"]],
+                      arrowprops={"arrowstyle": "-", "color": colours[r["method"]]})
     axes.set_xscale("log")
     axes.set_xlabel(f"wire bytes per process per round (P = {ISLANDS} islands, model {MODEL})")
     axes.set_ylabel("final validation loss (mean ± sd over seeds)")
@@ -96,12 +123,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| method | setting | wire bytes per process per round | × fewer than float32 | final loss | seeds | "
-             "− exact: equivalence (±1%) | isoloco − diloco: difference, call after BH |",
-             "|---|---|---|---|---|---|---|---|"]
+             "diverged | − exact: equivalence (±1%) | isoloco − diloco: difference, call after BH |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['variant'] or 'float32'} | {r['bytes']:,.0f} | {r['ratio']:.1f}× | "
-                     f"{r['loss']:.4f} ± {r['sd']:.4f} | {r['seeds']} | {r['to_exact']} | {r['head_to_head']} |")
-    best = [f"- {method}: {r['variant']}, {r['ratio']:.1f}× fewer bytes than float32"
+        lines.append(f"| {r['method']} | {r['setting']} | {r['bytes']:,.0f} | {r['ratio']:.1f}× | "
+                     f"{r['loss']:.4f} ± {r['sd']:.4f} | {r['seeds']} | {r['diverged']} | {r['to_exact']} | "
+                     f"{r['head_to_head']} |")
+    best = [f"- {method}: {r['setting']}, {r['ratio']:.1f}× fewer bytes than float32"
             for method, r in sorted(largest_equivalent(rows).items())]
     return "\n".join(["# Compression frontier", "", "`python scripts/compress_frontier.py` writes this file.", "",
                       "## By setting", "", *lines, "", "## The largest compression equivalent to exact within ±1% (TOST)", "",

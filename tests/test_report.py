@@ -2,6 +2,7 @@
 paired comparisons that call a difference, or a tie only by an equivalence test; unstable runs flagged."""
 
 import csv
+import io
 import json
 import math
 import shutil
@@ -12,7 +13,8 @@ import yaml
 
 from isoloco.cli import main
 from isoloco.config import resolve, to_dict
-from isoloco.report import compare_markdown, group_runs, load_runs, results_markdown, t_quantile, write_report
+from isoloco.report import (compare_markdown, group_runs, load_runs, results_csv, results_markdown, summary_csv,
+                            t_quantile, write_report)
 
 TOKENS = 6 * 8 * 32  # steps x global_batch x seq_len of the runs below
 UNIGRAM = 7.0  # the unigram baseline the fake runs report: a loss above it is an unstable run
@@ -313,6 +315,11 @@ def test_unstable_runs_are_marked_and_support_no_call(tmp_path):
     runs = load_runs(tmp_path)
     assert [r.name for r in runs if r.unstable] == ["diloco-R16-H3-s2"]
     assert [r.name for r in runs if r.above_after_first] == ["diloco-R16-H3-s2"]  # its final evaluation
+    ended = {row["run"]: row["ended_above_unigram"] for row in csv.DictReader(io.StringIO(results_csv(runs)))}
+    assert ended["diloco-R16-H3-s2"] == "true" and ended["diloco-R16-H3-s1"] == "false"
+    by_group = {(row["method"], row["R"]): row["runs_ended_above_unigram"]
+                for row in csv.DictReader(io.StringIO(summary_csv(group_runs(runs))))}
+    assert by_group["diloco", "16"] == "1" and by_group["diloco", "8"] == "0" and by_group["isoloco", "16"] == "0"
     md = results_markdown("x", runs, group_runs(runs), None, [])
     assert "| diloco | 16 | 3 | 3 | 5.5000 ± 1.7321 † |" in md
     assert "| diloco | 8 | 3 | 3 | 4.5000 ± 0.0000 | +12.50" in md

@@ -332,12 +332,12 @@ def results_csv(runs: list[RunResult]) -> str:
     return _csv(
         ["run", "method", "R", "H", "variant", "seed", "model", "tokens", "final_val_loss", "gap_to_dp_pct",
          "peak_val_loss", "peak_step", "above_unigram_at_an_evaluation", "above_unigram_after_first_evaluation",
-         "wall_time_s", "cpu_time_s",
+         "ended_above_unigram", "wall_time_s", "cpu_time_s",
          *(["cross_island_wire_bytes", "exposed_sync_seconds"] if link else []), "status"],
         ([r.name, r.method, _fmt(r.workers, "d"), _fmt(r.inner_steps, "d"), r.variant, str(r.seed), r.model,
           str(r.tokens), _fmt(r.final_val_loss, ".6f"), _fmt(r.gap_pct, ".4f"),
           _fmt(r.peak and r.peak[1], ".6f"), _fmt(r.peak and r.peak[0], "d"), str(r.rose_above_unigram).lower(),
-          str(r.above_after_first).lower(),
+          str(r.above_after_first).lower(), str(r.unstable).lower(),
           _fmt(r.wall_time_s, ".1f"), _fmt(r.cpu_time_s, ".1f"),
           *([_fmt(r.wire_bytes, ".0f"), _fmt(r.exposed_sync_s, ".3f")] if link else []),
           "finished" if r.final_val_loss is not None else "incomplete"] for r in runs))
@@ -356,11 +356,12 @@ def summary_csv(groups: list[Group]) -> str:
         rows.append([g.first.method, _fmt(g.first.workers, "d"), _fmt(g.first.inner_steps, "d"), g.first.variant,
                      g.first.model, str(g.first.tokens), str(len(g.values("final_val_loss"))), _fmt(loss, ".6f"),
                      _fmt(loss_std, ".6f"), _fmt(gap, ".4f"), _fmt(gap_std, ".4f"), _fmt(g.peak_loss, ".6f"),
-                     str(sum(r.rose_above_unigram for r in g.runs)), _fmt(wall, ".1f"), _fmt(cpu, ".1f"),
+                     str(sum(r.rose_above_unigram for r in g.runs)), str(sum(r.unstable for r in g.runs)),
+                     _fmt(wall, ".1f"), _fmt(cpu, ".1f"),
                      *([_fmt(wire, ".0f"), _fmt(exposed, ".3f")] if link else [])])
     return _csv(["method", "R", "H", "variant", "model", "tokens", "seeds", "final_val_loss_mean", "final_val_loss_std",
                  "gap_to_dp_pct_mean", "gap_to_dp_pct_std", "peak_val_loss_max", "runs_above_unigram_at_an_evaluation",
-                 "wall_time_s_mean", "cpu_time_s_mean",
+                 "runs_ended_above_unigram", "wall_time_s_mean", "cpu_time_s_mean",
                  *(["cross_island_wire_bytes_mean", "exposed_sync_seconds_mean"] if link else [])], rows)
 
 
