@@ -64,7 +64,7 @@ def frontier(root: Path) -> list[dict]:
     float32 = wire_bytes_per_merge(shapes, MergeConfig(), ISLANDS)
     pairs = {row["A − B"]: row for row in table_rows(root / VIEW / "compare.md", "Every pair")
              if row["R"] == str(ISLANDS)}
-    rows = []  # one seed has no spread: sd 0
+    rows = []
     with open(root / VIEW / "summary.csv") as summary:
         for row in csv.DictReader(summary):
             if row["method"] == "dp" or row["R"] != str(ISLANDS):
@@ -75,8 +75,10 @@ def frontier(root: Path) -> list[dict]:
             head_to_head = pairs.get(f"isoloco {row['variant']} − diloco {row['variant']}", {})
             call = head_to_head.get("call after BH", "—").replace(f" {row['variant']} lower", " lower")
             rows.append({"method": row["method"], "variant": row["variant"], "setting": setting_name(merge),
+                         "compress": merge.compress,
                          "bytes": wire, "ratio": float32 / wire,
-                         "loss": float(row["final_val_loss_mean"]), "sd": float(row["final_val_loss_std"] or 0),
+                         "loss": float(row["final_val_loss_mean"]),
+                         "sd": float(row["final_val_loss_std"] or 0),  # one seed has no spread
                          "seeds": row["seeds"], "diverged": int(row["runs_ended_above_unigram"]),
                          "to_exact": to_exact.get("equivalence (±1%)", "—"),
                          "head_to_head": f"{head_to_head.get('A − B (final loss)', '—')}, {call}"})
@@ -102,8 +104,7 @@ def plot(rows: list[dict], path: Path) -> None:
     styles = {"none": ("-", "o", "dense"), "lowrank": ("--", "s", "low rank"), "topk": (":", "^", "top-k")}
     for method, colour in colours.items():
         for compress, (style, marker, family) in styles.items():
-            kept = [r for r in rows if r["method"] == method and not r["diverged"]
-                    and merge_config(r["variant"]).compress == compress]
+            kept = [r for r in rows if r["method"] == method and r["compress"] == compress and not r["diverged"]]
             axes.errorbar([r["bytes"] for r in kept], [r["loss"] for r in kept], yerr=[r["sd"] for r in kept],
                           linestyle=style, marker=marker, capsize=3, color=colour, label=f"{method}, {family}")
     diverged = [r for r in rows if r["diverged"]]
