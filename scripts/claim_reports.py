@@ -168,6 +168,12 @@ STRAGGLER_SETTINGS = (
     *({"rate": r, "late": late} for r in (0.1, 0.3) for late in ("drop", "carry")),
 )
 
+#: Each remedy's setting and the plain setting it is held against, as `straggler_label` arguments.
+STRAGGLER_REMEDIES = (
+    ({"speeds": "1.0,0.25", "weighting": "tokens"}, {"speeds": "1.0,0.25", "weighting": "equal"}),
+    *(({"rate": r, "late": "carry"}, {"rate": r, "late": "drop"}) for r in (0.1, 0.3)),
+)
+
 
 def tuned_pairs(label: Callable[..., str], settings: tuple[dict, ...], head_to_head: bool = True) -> list[str]:
     """The --compare pairs of a tuned-science view: what each setting costs each method against
@@ -235,7 +241,11 @@ REPORTS: dict[str, list[str]] = {
     "claim4-tuned": ["isoloco:isoc outer.lr=2.1", "isoloco:isoc outer.lr=3.0"],
     "compressed-science": tuned_pairs(compressed_label, COMPRESSED_SETTINGS, head_to_head=False),
     "compress-science": tuned_pairs(compress_label, COMPRESS_SETTINGS),
-    "stragglers-science": tuned_pairs(straggler_label, STRAGGLER_SETTINGS),
+    # Then the remedies against their plain setting: token weights against equal ones, carrying
+    # a late delta against dropping it (the late draws are the same in both, seed by seed).
+    "stragglers-science": [*tuned_pairs(straggler_label, STRAGGLER_SETTINGS),
+                           *(f"{straggler_label(m, **remedy)}:{straggler_label(m, **plain)}"
+                             for remedy, plain in STRAGGLER_REMEDIES for m in ("isoloco", "diloco"))],
     "tune-r8": [], "tune-fast-r8": [], "tune-muon-r8": [], "tune-small": [], "strongest-search": [], "spectra": [],
 }
 
@@ -334,6 +344,23 @@ def table_rows(file: Path, section: str, rows: str | None = None) -> list[dict[s
     return [dict(zip(header, _cells(row))) for row in table[2:] if row.startswith("|")]
 
 
+def compare_rows(report: Path, workers: int) -> dict[str, dict[str, str]]:
+    """A report folder's paired tests at R = `workers`, by their "A − B" label."""
+    return {row["A − B"]: row for row in table_rows(report / "compare.md", "Every pair") if row["R"] == str(workers)}
+
+
+def difference_cell(pairs: dict[str, dict[str, str]], a: str, b: str, names: dict[str, str]) -> str:
+    """"A − B, the call after BH" for the pair `a` − `b` of `compare_rows`, the call's labels
+    shortened to `names`; "—" while the report lacks the pair."""
+    row = pairs.get(f"{a} − {b}")
+    if row is None:
+        return "—"
+    call = row["call after BH"]
+    for label, name in names.items():
+        call = call.replace(f"{label} lower", f"{name} lower")
+    return f"{row['A − B (final loss)']}, {call}"
+
+
 def quoted_tests(doc: Path) -> list[dict[str, str]]:
     """Every paired test in the compare tables `doc` quotes (the rows its markers keep), once: a row
     two tables share (the same R, H, seeds, difference and interval) counts once. A row without a
@@ -365,8 +392,12 @@ def page_tests_markdown(doc: Path) -> str:
     adjusted = benjamini_hochberg([float(test["p"]) for test in tests])
     called = [(test, adj) for test, adj in zip(tests, adjusted) if test["call"].endswith(" lower")]
     dropped = [(test, adj) for test, adj in called if adj >= FDR]
-    rows = [f"| {t['report']} | {t['pair']} | {t['R']} | {t['H']} | {t['seeds']} | {t['difference']} | {t['p']} | "
-            f"{adj:.3f} | {t['call']} |" for t, adj in dropped]
+    def rows(chosen):
+        return [f"| {t['report']} | {t['pair']} | {t['R']} | {t['H']} | {t['seeds']} | {t['difference']} | {t['p']} | "
+                f"{adj:.3f} | {t['call']} |" for t, adj in chosen]
+
+    header = ["| report | A − B | R | H | seeds | A − B (final loss) | p | p (BH over the page) | call |",
+              "|---|---|---|---|---|---|---|---|---|"]
     return "\n".join([
         f"# The tests {doc} quotes", "",
         f"{len(tests)} paired tests in the compare tables the page quotes (a row two tables share counted once), "
@@ -375,8 +406,9 @@ def page_tests_markdown(doc: Path) -> str:
         "decimals, two significant digits below 0.001); `python scripts/claim_reports.py --tests "
         f"{doc}` writes this file.", "",
         "## Called, but not after the page-wide adjustment", "",
-        *(["| report | A − B | R | H | seeds | A − B (final loss) | p | p (BH over the page) | call |",
-           "|---|---|---|---|---|---|---|---|---|", *rows] if rows else ["None."]), ""])
+        *([*header, *rows(dropped)] if dropped else ["None."]), "",
+        "## Every test, by adjusted p", "",
+        *header, *rows(sorted(zip(tests, adjusted), key=lambda pair: pair[1])), ""])
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from claim_reports import compress_label, table_rows  # noqa: E402  (scripts/, beside this file)
+from claim_reports import compare_rows, compress_label, difference_cell  # noqa: E402  (scripts/, beside this file)
 from isoloco.bench.workload import parameter_shapes  # noqa: E402
 from isoloco.merge import MergeConfig, wire_bytes_per_merge  # noqa: E402
 
@@ -62,8 +62,7 @@ def frontier(root: Path) -> list[dict]:
     the report yet)."""
     shapes = [shape for _, shape in parameter_shapes(MODEL)]
     float32 = wire_bytes_per_merge(shapes, MergeConfig(), ISLANDS)
-    pairs = {row["A − B"]: row for row in table_rows(root / VIEW / "compare.md", "Every pair")
-             if row["R"] == str(ISLANDS)}
+    pairs = compare_rows(root / VIEW, ISLANDS)
     rows = []
     with open(root / VIEW / "summary.csv") as summary:
         for row in csv.DictReader(summary):
@@ -72,8 +71,7 @@ def frontier(root: Path) -> list[dict]:
             merge = merge_config(row["variant"])
             wire = wire_bytes_per_merge(shapes, merge, ISLANDS)
             to_exact = pairs.get(f"{row['method']} {row['variant']} − {compress_label(row['method'])}", {})
-            head_to_head = pairs.get(f"isoloco {row['variant']} − diloco {row['variant']}", {})
-            call = head_to_head.get("call after BH", "—").replace(f" {row['variant']} lower", " lower")
+            methods = {f"{method} {row['variant']}": method for method in ("isoloco", "diloco")}
             rows.append({"method": row["method"], "variant": row["variant"], "setting": setting_name(merge),
                          "compress": merge.compress,
                          "bytes": wire, "ratio": float32 / wire,
@@ -81,7 +79,7 @@ def frontier(root: Path) -> list[dict]:
                          "sd": float(row["final_val_loss_std"] or 0),  # one seed has no spread
                          "seeds": row["seeds"], "diverged": int(row["runs_ended_above_unigram"]),
                          "to_exact": to_exact.get("equivalence (±1%)", "—"),
-                         "head_to_head": f"{head_to_head.get('A − B (final loss)', '—')}, {call}"})
+                         "head_to_head": difference_cell(pairs, *methods, methods)})
     return sorted(rows, key=lambda r: (r["method"], -r["bytes"]))
 
 

@@ -138,7 +138,7 @@ COMPARE = """## Every pair
 
 def test_the_page_tests_are_adjusted_together_each_once(doc):
     """Three tests (a − b quoted twice, a one-seed row is none): p 0.010, 0.040, 0.300 adjust to 0.030,
-    0.060, 0.300, so a − c loses its call."""
+    0.060, 0.300, so a − c loses its call; every test is listed with its adjusted p."""
     Path("compare.md").write_text(COMPARE)
     doc.write_text('<!-- table: compare.md "Every pair" -->\n\n| x |\n\n<!-- table: compare.md "a − b" -->\n\n| x |\n')
     script = _script()
@@ -147,7 +147,10 @@ def test_the_page_tests_are_adjusted_together_each_once(doc):
     assert "3 paired tests in the compare tables the page quotes" in text and "2 of them called" in text
     assert "at a false discovery rate of 0.05, 1 stay called" in text
     assert "| compare.md | a − c | 8 | 30 | 3 | -0.1000 ± 0.0900 | 0.040 | 0.060 | a lower |" in text
-    assert "| a − b |" not in text.split("## Called")[1]
+    dropped, every = text.split("## Called")[1].split("## Every test")
+    assert "| a − b |" not in dropped
+    assert [line.split(" | ")[1] + " " + line.split(" | ")[7] for line in every.splitlines()[4:]] == [
+        "a − b 0.030", "a − c 0.060", "c − b 0.300"]  # every test, by adjusted p
 
 
 @pytest.mark.parametrize("page", ["docs/claims.md", "docs/results.md"])
