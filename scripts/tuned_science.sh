@@ -8,7 +8,7 @@
 #   compress    "Compression at 100×": low rank (PowerSGD) at ranks 1, 2, 4 and 8 and top-k at
 #               densities 10%, 3% and 1%, with int8 factors or values and error feedback, R = 8
 #               (float32, int8-ef and int4-ef are the compressed grid's runs);
-#   stragglers  issue 32's unequal and missing workers, R = 8: half the workers at speed 0.25
+#   stragglers  "Stragglers and late workers", R = 8: half the workers at speed 0.25
 #               (worker_speeds=1,0.25 cycles over the workers) with equal or token weighting,
 #               and late rate 0.1 and 0.3 with the late pseudo-gradient dropped or carried
 #               (the fault-free runs are the compressed grid's exact ones at R = 8: their

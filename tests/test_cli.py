@@ -82,7 +82,7 @@ def test_type_errors_name_the_key():
         resolve(None, {"workers": 2.5})
 
 
-# -- the first hour of a new user (issue 10) ---------------------------------------------------
+# -- the first hour of a new user -------------------------------------------------------------
 
 TINY_RUN = ["model=tiny", "seq_len=32", "global_batch=8", "steps=4", "inner_steps=2", "workers=2", "eval_every=4",
             "data.vocab_size=512", "data.val_tokens=256", "device=cpu"]

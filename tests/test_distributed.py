@@ -60,7 +60,7 @@ RULES = {
 }
 #: The mean again behind an emulated slow link (1 Gbit/s, 150 ms): the same numbers, later.
 SLOW_LINK = {"method": "diloco", "dist.emulate_link": "1,150"}
-#: Stragglers (issue 32): TSV weighted by tokens, with late workers carried. Seed 141 draws
+#: Stragglers: TSV weighted by tokens, with late workers carried. Seed 141 draws
 #: workers 2 and 3 (all of process 1) late in round 0 and worker 2 again in round 1, so a
 #: process with no worker merged sends zeros that the gather drops, and carried deltas join.
 STRAGGLERS = {"method": "tsv", "seed": 141, "worker_speeds": "1,0.5", "merge.weighting": "tokens",

@@ -268,7 +268,7 @@ def test_gram_space_iteration_applies_the_same_polynomial(monkeypatch, method, s
     assert relative_error(bf16_in_gram_space, on_the_matrix) < relative_error(bf16_on_the_matrix, on_the_matrix)
 
 
-# -- the spectrum variants: iso_power and iso_floor (issue 21) -----------------------------------
+# -- the spectrum variants: iso_power and iso_floor ---------------------------------------------
 
 EXACT = list(ortho.SVD_METHODS)
 VARIANT_SHAPES = [(40, 24), (24, 40), (32, 32)]

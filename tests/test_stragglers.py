@@ -1,4 +1,4 @@
-"""Stragglers and faults (issue 32): workers of unequal speed, token weighting, late workers
+"""Stragglers and faults: workers of unequal speed, token weighting, late workers
 dropped or carried, checked against hand-computed merges and plain runs."""
 
 import logging
@@ -338,3 +338,14 @@ def test_the_report_draws_participation_when_it_varies(tmp_path):
     assert results[0].participation == ((3, 3),) and results[1].participation == ((3, 4),)
     assert ("participation.png", "Workers merged per round") in report.write_plots(results, tmp_path / "plots")
     assert "participation.png" not in dict(report.write_plots(results[1:], tmp_path / "full-plots"))
+
+
+def test_runs_that_share_their_rounds_draw_one_participation_line():
+    def run(name: str, *merged: int) -> report.RunResult:
+        return report.RunResult(name=name, method="diloco", workers=4, inner_steps=3, seed=0, model="tiny", tokens=0,
+                                final_val_loss=4.0, unigram_baseline=7.0, wall_time_s=None, cpu_time_s=None, curve=(),
+                                participation=tuple((3 * (i + 1), m) for i, m in enumerate(merged)))
+
+    runs = [run("b-drop", 3, 4), run("full", 4, 4), run("a-carry", 3, 4), run("c", 4, 2)]
+    assert report.participation_lines(runs) == [
+        ("a-carry and 1 more with the same rounds", ((3, 3), (6, 4))), ("c", ((3, 4), (6, 2)))]

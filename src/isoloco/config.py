@@ -242,7 +242,7 @@ class TrainConfig:
 #: The largest share of a round τ/H (outer.overlap_steps/inner_steps) the docs measured as
 #: harmless: τ = 5 of H = 30 left IsoLoCo's final loss equivalent within ±1% to τ = 0 at R = 8
 #: and DiLoCo's not distinguishable from it (docs/claims.md, "The slow link"), while τ = 5 of
-#: H = 10 ended above the unigram baseline and the loss worsened steadily with τ/H (issue 34).
+#: H = 10 ended above the unigram baseline and the loss worsened steadily with τ/H (a user's report).
 SAFE_OVERLAP = Fraction(1, 6)
 
 

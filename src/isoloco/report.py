@@ -79,7 +79,7 @@ class RunResult:
     above_after_first: bool = False
     wire_bytes: float | None = None  # cross-island bytes over the run, all processes (newer runs only)
     exposed_sync_s: float | None = None  # synchronisation seconds training waited for (newer runs only)
-    # (step, workers merged) of each round (DiLoCo runs since issue 32): fewer than R with late workers.
+    # (step, workers merged) of each round (runs that record `workers_merged`): fewer than R with late workers.
     participation: tuple[tuple[int, int], ...] = ()
     # The variant, plus its values of the settings other methods vary that apply to it: what the
     # tables show, so that a method run with one setting does not read as "—" beside the others.
@@ -691,24 +691,37 @@ def _partial(run: RunResult) -> bool:
     return any(merged < run.workers for _, merged in run.participation)
 
 
+def participation_lines(runs: list[RunResult]) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+    """The participation plot's lines: one per distinct sequence of (step, workers merged) among
+    the runs whose participation varied, named after its first run and how many share it. Runs
+    with the same seed and late rate draw the same late workers whatever the method, so a grid
+    of them would otherwise draw the same line many times over."""
+    groups: dict[tuple[tuple[int, int], ...], list[str]] = {}
+    for run in sorted((r for r in runs if _partial(r)), key=_sort_key):
+        groups.setdefault(run.participation, []).append(run.name)
+    return [(names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more with the same rounds", rounds)
+            for rounds, names in groups.items()]
+
+
 def _participation(runs: list[RunResult]) -> Any:
-    """Workers merged in each round, one step line per run whose participation varied."""
+    """Workers merged in each round, one step line per distinct participation (`participation_lines`)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(7.0, 3.4), layout="constrained")
+    lines = participation_lines(runs)
+    # The legend goes under the axes: its labels name runs, too long to sit beside them.
+    fig = Figure(figsize=(7.0, 3.4 + 0.2 * len(lines)), layout="constrained")
     ax = fig.subplots()
-    partial = sorted((r for r in runs if _partial(r)), key=_sort_key)
-    for index, run in enumerate(partial):
-        # Runs with the same seed draw the same late workers: dodged apart so each stays visible.
-        ax.plot([_dodge(step, index, len(partial)) for step, _ in run.participation],
-                [merged for _, merged in run.participation], marker="o", label=run.name)
-    ax.set_ylim(-0.2, max(r.workers for r in partial) + 0.2)
+    for index, (label, rounds) in enumerate(lines):
+        # Lines that share a round's count are dodged apart so each stays visible.
+        ax.plot([_dodge(step, index, len(lines)) for step, _ in rounds], [merged for _, merged in rounds],
+                marker="o", label=label)
+    ax.set_ylim(-0.2, max(r.workers for r in runs if _partial(r)) + 0.2)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step (end of the round)")
     ax.set_ylabel("workers merged")
     ax.grid(True, alpha=0.3)
-    fig.legend(loc="outside right upper", fontsize="small")
+    fig.legend(loc="outside lower center", fontsize="small")
     return fig
 
 
