@@ -154,11 +154,11 @@ def compress_label(method: str, compress: str = "none", rank: int = 4, density: 
 
 
 def straggler_label(method: str, speeds: str = "", weighting: str = "equal", late: str = "drop",
-                    rate: float = 0.0) -> str:
+                    rate: float = 0.0, stale: float = 0.5) -> str:
     """A run label of the stragglers-science view (the keys its runs vary, each method at its tuned
     outer step; no speeds: every worker at full speed)."""
-    return (f"{method} faults.late={late} faults.late_rate={rate} merge.weighting={weighting} "
-            f"worker_speeds={speeds}")
+    return (f"{method} faults.late={late} faults.late_rate={rate} faults.stale_weight={stale} "
+            f"merge.weighting={weighting} worker_speeds={speeds}")
 
 
 #: scripts/tuned_science.sh stragglers's settings, as `straggler_label` arguments (the fault-free
@@ -166,12 +166,16 @@ def straggler_label(method: str, speeds: str = "", weighting: str = "equal", lat
 STRAGGLER_SETTINGS = (
     *({"speeds": "1.0,0.25", "weighting": w} for w in ("equal", "tokens")),
     *({"rate": r, "late": late} for r in (0.1, 0.3) for late in ("drop", "carry")),
+    {"rate": 0.3, "late": "carry", "stale": 1.0},
 )
 
-#: Each remedy's setting and the plain setting it is held against, as `straggler_label` arguments.
+#: Each remedy's setting and the setting it is held against, as `straggler_label` arguments: token
+#: weights against equal ones, a carried late delta against a dropped one, and one carried in full
+#: against one down-weighted (the staleness correction).
 STRAGGLER_REMEDIES = (
     ({"speeds": "1.0,0.25", "weighting": "tokens"}, {"speeds": "1.0,0.25", "weighting": "equal"}),
     *(({"rate": r, "late": "carry"}, {"rate": r, "late": "drop"}) for r in (0.1, 0.3)),
+    ({"rate": 0.3, "late": "carry", "stale": 1.0}, {"rate": 0.3, "late": "carry"}),
 )
 
 
@@ -241,8 +245,8 @@ REPORTS: dict[str, list[str]] = {
     "claim4-tuned": ["isoloco:isoc outer.lr=2.1", "isoloco:isoc outer.lr=3.0"],
     "compressed-science": tuned_pairs(compressed_label, COMPRESSED_SETTINGS, head_to_head=False),
     "compress-science": tuned_pairs(compress_label, COMPRESS_SETTINGS),
-    # Then the remedies against their plain setting: token weights against equal ones, carrying
-    # a late delta against dropping it (the late draws are the same in both, seed by seed).
+    # Then each remedy against the setting it is held against (`STRAGGLER_REMEDIES`; the late draws
+    # are the same in both, seed by seed).
     "stragglers-science": [*tuned_pairs(straggler_label, STRAGGLER_SETTINGS),
                            *(f"{straggler_label(m, **remedy)}:{straggler_label(m, **plain)}"
                              for remedy, plain in STRAGGLER_REMEDIES for m in ("isoloco", "diloco"))],
@@ -394,7 +398,7 @@ def page_tests_markdown(doc: Path) -> str:
     dropped = [(test, adj) for test, adj in called if adj >= FDR]
     def rows(chosen):
         return [f"| {t['report']} | {t['pair']} | {t['R']} | {t['H']} | {t['seeds']} | {t['difference']} | {t['p']} | "
-                f"{adj:.3f} | {t['call']} |" for t, adj in chosen]
+                f"{adj:.4f} | {t['call']} |" for t, adj in chosen]
 
     header = ["| report | A − B | R | H | seeds | A − B (final loss) | p | p (BH over the page) | call |",
               "|---|---|---|---|---|---|---|---|---|"]

@@ -1,7 +1,7 @@
 """The stragglers-science view in one table (docs/claims.md, "Stragglers and late workers"):
 per method and setting, how much of a round's training it keeps, its final loss, what it costs
 against the method's fault-free runs, the contrast of the two methods' costs, IsoLoCo − DiLoCo
-under it, and what its remedy (token weights, carrying a late delta) changes.
+under it, and each remedy against the setting it is held against (`STRAGGLER_REMEDIES`).
 
 `python scripts/straggler_table.py [--root results/claims]` writes
 stragglers-science/settings.md (run `python scripts/claim_reports.py stragglers-science`
@@ -24,12 +24,15 @@ VIEW, WORKERS, STEPS_PER_ROUND = "stragglers-science", 8, 30
 METHODS = ("diloco", "isoloco")
 
 
-def setting_name(speeds: str = "", weighting: str = "equal", late: str = "drop", rate: float = 0.0) -> str:
+def setting_name(speeds: str = "", weighting: str = "equal", late: str = "drop", rate: float = 0.0,
+                 stale: float = 0.5) -> str:
     """A short name of a `straggler_label` setting."""
     if speeds:
         return f"speeds {speeds} cycled, {'token' if weighting == 'tokens' else weighting} weights"
+    if rate and late == "carry":
+        return f"late {rate:.0%}, carried at weight {stale:g}"
     if rate:
-        return f"late {rate:.0%}, {'carried' if late == 'carry' else 'dropped'}"
+        return f"late {rate:.0%}, dropped"
     return "fault-free"
 
 
@@ -83,7 +86,7 @@ def settings_table(root: Path) -> str:
     remedies = {tuple(sorted(remedy.items())): plain for remedy, plain in STRAGGLER_REMEDIES}
     lines = ["| method | setting | inner steps taken | deltas merged per round | final loss | seeds | diverged | "
              "− fault-free: difference, call after BH | contrast: isoloco's cost − diloco's | "
-             "isoloco − diloco: difference, call after BH | − the setting without its remedy |",
+             "isoloco − diloco: difference, call after BH | − the setting it is held against |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for method in METHODS:
         for setting in ({}, *STRAGGLER_SETTINGS):

@@ -11,7 +11,7 @@
 #   stragglers  "Stragglers and late workers", R = 8: half the workers at speed 0.25
 #               (worker_speeds=1,0.25 cycles over the workers) with equal or token weighting,
 #               and late rate 0.1 and 0.3 with the late pseudo-gradient dropped or carried
-#               (the fault-free runs are the compressed grid's exact ones at R = 8: their
+#               (at rate 0.3 also carried in full, faults.stale_weight=1) (the fault-free runs are the compressed grid's exact ones at R = 8: their
 #               config.yaml is these runs' without the setting, key for key, but for the keys
 #               added since, which are absent there and off here).
 # One sweep folder per method and setting under results/claims/GRID/<method>-<setting>;
@@ -56,8 +56,10 @@ case "$GRID" in
       [late0.1-carry]="faults.late_rate=0.1 faults.late=carry"
       [late0.3-drop]="faults.late_rate=0.3 faults.late=drop"
       [late0.3-carry]="faults.late_rate=0.3 faults.late=carry"
+      [late0.3-carry-full]="faults.late_rate=0.3 faults.late=carry faults.stale_weight=1.0"
     )
-    ORDER="slow-equal slow-tokens late0.1-drop late0.1-carry late0.3-drop late0.3-carry" DEFAULT_WORKERS=8 ;;
+    ORDER="slow-equal slow-tokens late0.1-drop late0.1-carry late0.3-drop late0.3-carry late0.3-carry-full"
+    DEFAULT_WORKERS=8 ;;
   *) echo "unknown grid $GRID: choose compressed, compress or stragglers" >&2; exit 2 ;;
 esac
 for name in ${ONLY:-$ORDER}; do

@@ -146,11 +146,11 @@ def test_the_page_tests_are_adjusted_together_each_once(doc):
     text = script.page_tests_markdown(doc)
     assert "3 paired tests in the compare tables the page quotes" in text and "2 of them called" in text
     assert "at a false discovery rate of 0.05, 1 stay called" in text
-    assert "| compare.md | a − c | 8 | 30 | 3 | -0.1000 ± 0.0900 | 0.040 | 0.060 | a lower |" in text
+    assert "| compare.md | a − c | 8 | 30 | 3 | -0.1000 ± 0.0900 | 0.040 | 0.0600 | a lower |" in text
     dropped, every = text.split("## Called")[1].split("## Every test")
     assert "| a − b |" not in dropped
     assert [line.split(" | ")[1] + " " + line.split(" | ")[7] for line in every.splitlines()[4:]] == [
-        "a − b 0.030", "a − c 0.060", "c − b 0.300"]  # every test, by adjusted p
+        "a − b 0.0300", "a − c 0.0600", "c − b 0.3000"]  # every test, by adjusted p
 
 
 @pytest.mark.parametrize("page", ["docs/claims.md", "docs/results.md"])
