@@ -69,8 +69,10 @@ def contrast_cell(view: Path, setting: dict) -> str:
     costs = [f"{straggler_label(m, **setting)} − {straggler_label(m)}" for m in ("isoloco", "diloco")]
     rows = [row for row in table_rows(view / "contrast.md", f"({costs[0]}) − ({costs[1]})")
             if row["R"] == str(WORKERS)]
-    return f"{rows[0]['contrast (final loss)']}, {'called' if ' lower' in rows[0]['call'] else rows[0]['call']}" \
-        if rows else "—"
+    if not rows:
+        return "—"
+    call = "called" if rows[0]["call"].endswith(" lower") else rows[0]["call"]  # its sign says which way
+    return f"{rows[0]['contrast (final loss)']}, {call}"
 
 
 def settings_table(root: Path) -> str:

@@ -55,3 +55,19 @@ def test_the_cells_come_from_their_own_pair(table, tmp_path):
     assert table.difference_cell(pairs, late, free, names) == "+0.0100 ± 0.0200, fault-free lower"
     assert table.difference_cell(pairs, late, drop, names) == "-0.0300 ± 0.0100, late 30%, carried lower"
     assert table.difference_cell(pairs, drop, free, names) == "—"
+
+
+def test_the_contrast_cell_comes_from_its_own_contrast(table, tmp_path):
+    label = table.straggler_label
+    view = tmp_path / table.VIEW
+    view.mkdir()
+    sections = []
+    for setting, contrast, call in (({"rate": 0.1}, "+0.2000 ± 0.0500", "diloco x lower"),
+                                    ({"rate": 0.3}, "-0.0100 ± 0.0900", "not distinguishable with 3 seeds")):
+        heading = " − ".join(f"({label(m, **setting)} − {label(m)})" for m in ("isoloco", "diloco"))
+        sections.append(f"## {heading}\n\n| R | H | seeds | contrast (final loss) | call |\n|---|---|---|---|---|\n"
+                        f"| 16 | 30 | 3 | +9.0000 ± 0.1000 | x lower |\n| 8 | 30 | 3 | {contrast} | {call} |\n")
+    (view / "contrast.md").write_text("# Contrasts\n\n" + "\n".join(sections))
+    assert table.contrast_cell(view, {"rate": 0.1}) == "+0.2000 ± 0.0500, called"
+    assert table.contrast_cell(view, {"rate": 0.3}) == "-0.0100 ± 0.0900, not distinguishable with 3 seeds"
+    assert table.contrast_cell(view, {"rate": 0.3, "late": "carry"}) == "—"
