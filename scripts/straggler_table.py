@@ -76,6 +76,7 @@ def contrast_cell(view: Path, setting: dict) -> str:
 
 
 def settings_table(root: Path) -> str:
+    """settings.md: one row per method and setting of the view, fault-free first."""
     view = root / VIEW
     pairs = compare_rows(view, WORKERS)
     cells = participation_cells(view)
@@ -85,7 +86,7 @@ def settings_table(root: Path) -> str:
             losses[f"{row['method']} {row['variant']}"] = (
                 f"{float(row['final_val_loss_mean']):.4f} ± {float(row['final_val_loss_std'] or 0):.4f} | "
                 f"{row['seeds']} | {row['runs_ended_above_unigram']}")
-    remedies = {tuple(sorted(remedy.items())): plain for remedy, plain in STRAGGLER_REMEDIES}
+    held_against = {tuple(sorted(remedy.items())): other for remedy, other in STRAGGLER_REMEDIES}
     lines = ["| method | setting | inner steps taken | deltas merged per round | final loss | seeds | diverged | "
              "− fault-free: difference, call after BH | contrast: isoloco's cost − diloco's | "
              "isoloco − diloco: difference, call after BH | − the setting it is held against |",
@@ -95,7 +96,7 @@ def settings_table(root: Path) -> str:
             label = straggler_label(method, **setting)
             if label not in losses:
                 continue
-            plain = remedies.get(tuple(sorted(setting.items())))
+            other = held_against.get(tuple(sorted(setting.items())))
             names = {label: setting_name(**setting), straggler_label(method): "fault-free"}
             heads = {straggler_label(m, **setting): m for m in ("isoloco", "diloco")}
             lines.append(" | ".join([
@@ -103,9 +104,9 @@ def settings_table(root: Path) -> str:
                 difference_cell(pairs, label, straggler_label(method), names) if setting else "—",
                 contrast_cell(view, setting) if setting else "—",
                 difference_cell(pairs, *heads, heads),
-                (difference_cell(pairs, label, straggler_label(method, **plain),
-                                 {label: setting_name(**setting), straggler_label(method, **plain): setting_name(**plain)})
-                 if plain else "—")]) + " |")
+                (difference_cell(pairs, label, straggler_label(method, **other),
+                                 {label: setting_name(**setting), straggler_label(method, **other): setting_name(**other)})
+                 if other else "—")]) + " |")
     return "\n".join(["# Stragglers and late workers", "", "`python scripts/straggler_table.py` writes this file.", "",
                       "## By setting", "", *lines, ""])
 
