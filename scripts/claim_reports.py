@@ -396,6 +396,7 @@ def page_tests_markdown(doc: Path) -> str:
     adjusted = benjamini_hochberg([float(test["p"]) for test in tests])
     called = [(test, adj) for test, adj in zip(tests, adjusted) if test["call"].endswith(" lower")]
     dropped = [(test, adj) for test, adj in called if adj >= FDR]
+
     def rows(chosen):
         return [f"| {t['report']} | {t['pair']} | {t['R']} | {t['H']} | {t['seeds']} | {t['difference']} | {t['p']} | "
                 f"{adj:.4f} | {t['call']} |" for t, adj in chosen]
@@ -407,7 +408,8 @@ def page_tests_markdown(doc: Path) -> str:
         f"{len(tests)} paired tests in the compare tables the page quotes (a row two tables share counted once), "
         f"{len(called)} of them called. With the Benjamini–Hochberg adjustment over all {len(tests)} at a false "
         f"discovery rate of {FDR:g}, {len(called) - len(dropped)} stay called. The p-values are the reports' (three "
-        "decimals, two significant digits below 0.001); `python scripts/claim_reports.py --tests "
+        "decimals, two significant digits below 0.001), the adjusted ones to four decimals; "
+        "`python scripts/claim_reports.py --tests "
         f"{doc}` writes this file.", "",
         "## Called, but not after the page-wide adjustment", "",
         *([*header, *rows(dropped)] if dropped else ["None."]), "",

@@ -11,9 +11,10 @@
 #   stragglers  "Stragglers and late workers", R = 8: half the workers at speed 0.25
 #               (worker_speeds=1,0.25 cycles over the workers) with equal or token weighting,
 #               and late rate 0.1 and 0.3 with the late pseudo-gradient dropped or carried
-#               (at rate 0.3 also carried in full, faults.stale_weight=1) (the fault-free runs are the compressed grid's exact ones at R = 8: their
-#               config.yaml is these runs' without the setting, key for key, but for the keys
-#               added since, which are absent there and off here).
+#               (at rate 0.3 also carried in full, faults.stale_weight=1); the fault-free runs
+#               are the compressed grid's exact ones at R = 8 (their config.yaml is these runs'
+#               without the setting, key for key, but for the keys added since, which are absent
+#               there and off here).
 # One sweep folder per method and setting under results/claims/GRID/<method>-<setting>;
 # finished runs are skipped, so rerunning continues the grid. METHOD=diloco|isoloco runs one
 # method's settings, ONLY="..." a subset of the settings, WORKERS=... other worker counts.
