@@ -478,6 +478,68 @@ def test_a_failing_process_stops_the_others_at_once_quoting_its_error():
     assert "rank 1 failed: ValueError: boom" in outputs[0][1]  # well within the 60 s timeout
 
 
+#: `isoloco train` in which rank 1's share of an in-flight stage overflows: one island of two
+#: processes (Iso-C's orthogonalisations shared out between them), round 0's synchronisation in
+#: flight for 3 of round 1's 5 steps. Rank 1 also refuses to post any collective once its stage
+#: has failed: kept for the landing, the error would let it train on and post a gradient
+#: all-reduce on the island group where rank 0 posts the stage's broadcasts.
+FAILING_STAGE = """
+import os
+import sys
+import torch.distributed as dist
+from isoloco.cli import main
+from isoloco.distributed import TorchCommunicator
+
+failed = []
+if os.environ["RANK"] == "1":
+    shard_map_async = TorchCommunicator.shard_map_async
+
+    def overflowing(matrix):
+        failed.append(matrix.shape)
+        raise FloatingPointError("overflow in rank 1's orthogonalisation (injected)")
+
+    TorchCommunicator.shard_map_async = lambda self, fn, tensors: shard_map_async(self, overflowing, tensors)
+
+    def refused_after_the_failure(name):
+        collective = getattr(dist, name)
+
+        def posted(*args, **kwargs):
+            assert not failed, f"rank 1 called dist.{name} after its stage failed"
+            return collective(*args, **kwargs)
+
+        return posted
+
+    for name in ("all_reduce", "all_gather", "all_to_all_single", "broadcast", "barrier"):
+        setattr(dist, name, refused_after_the_failure(name))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_stage_failing_in_flight_on_one_rank_stops_every_process_naming_it(tmp_path):
+    port = free_port()
+    env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    args = [*SMALL_ARGS, "method=isoloco", "workers=1", "gpus_per_worker=2", "steps=10", "inner_steps=5",
+            "eval_every=10", "outer.overlap_steps=3", f"dist.peer_silence_s={TIMEOUT_S}", "--out",
+            str(tmp_path / "run"), "--quiet"]
+    ranks = [subprocess.Popen([sys.executable, "-c", FAILING_STAGE, "train", *args],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        _, failing = ranks[1].communicate(timeout=180)
+        failed_at = time.monotonic()
+        _, stopped = ranks[0].communicate(timeout=TIMEOUT_S + 60)
+        seconds = time.monotonic() - failed_at
+    finally:
+        for process in ranks:
+            process.kill()
+            process.communicate()
+    assert ranks[1].returncode == 1, failing
+    assert "overflow in rank 1's orthogonalisation" in failing and "after its stage failed" not in failing, failing
+    assert ranks[0].returncode == 3, stopped
+    assert "rank 1 failed: FloatingPointError: overflow in rank 1's orthogonalisation" in stopped, stopped
+    assert seconds < TIMEOUT_S, f"rank 0 took {seconds:.1f}s to stop after rank 1 failed"
+
+
 def test_resume_after_a_lost_process_matches_an_uninterrupted_run(killed, tmp_path):
     killed_run = killed[0]
     # Another layout is refused with a clear error and exit status 2.
@@ -676,7 +738,8 @@ def test_the_compressed_sum_over_many_islands_is_the_reference_and_within_its_bo
     the one-process reference of its islands (the same bits); every process ends alike, and
     each one's cross-island wire bytes are the cost model's."""
     from isoloco.sync.codec import Quantization, dequantize, error_bound, quantize
-    from isoloco.sync.compressed import choose_route, reference_sum
+    from isoloco.sync.compressed import choose_route
+    from helpers import reference_sum
 
     processes, workers = MANY_ISLANDS["processes"], MANY_ISLANDS["workers"]
     ranks = [torch.load(many_islands / f"merged.{rank}.pt") for rank in range(processes)]

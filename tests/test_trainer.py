@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 
 from isoloco.config import resolve
 from isoloco.methods import METHODS
+from isoloco.sync.handles import Sync
+from isoloco.sync.inflight import InFlight
 from isoloco.trainer import Trainer
 import helpers
 from helpers import ONE_THREAD_ENV, SMALL_ARGS, assert_close_relative
@@ -135,9 +137,41 @@ def test_overlap_lands_where_a_plain_loop_says(tmp_path, alpha):
         assert max(errors) > 1e-3
 
 
-def test_an_error_in_flight_surfaces_at_the_landing_and_closes_the_synchronisation(tmp_path, monkeypatch):
-    """A stage that raises keeps its error for the landing (not before it), and nothing of
-    the synchronisation stays in flight."""
+def stages_failing_at(failing: int, stages: int, ran: list[int]) -> Sync:
+    """A synchronisation of `stages` stages that records each stage it runs and raises in stage `failing`."""
+
+    def steps():
+        for stage in range(stages):
+            ran.append(stage)
+            if stage == failing:
+                raise FloatingPointError(f"overflow in stage {stage}")
+            yield []
+
+    return Sync(steps(), stages)
+
+
+def test_a_stage_that_raises_raises_from_the_inner_step_that_runs_it():
+    """τ = 4, 3 stages: stage 1 runs before inner step ⌈4/3⌉ = 2. Its error comes out of that
+    step, not out of the landing at step 4: the rank must not train on (and post gradient
+    all-reduces) while its peers post the stage's collectives. Nothing stays in flight."""
+    ran: list[int] = []
+    in_flight = InFlight([torch.zeros(2)], [torch.ones(2)], torch.device("cpu"), window=4)
+    in_flight.start(stages_failing_at(1, 3, ran))
+    in_flight.before_step(1)
+    assert ran == [0] and in_flight.running
+    with pytest.raises(FloatingPointError, match="overflow in stage 1"):
+        in_flight.before_step(2)
+    assert ran == [0, 1] and not in_flight.running
+    in_flight.before_step(3)
+    assert not in_flight.land() and ran == [0, 1]
+    with pytest.raises(FloatingPointError, match="overflow in stage 0"):
+        in_flight.start(stages_failing_at(0, 3, ran))  # the first stage runs in `start`
+    assert not in_flight.running
+
+
+def test_an_error_in_flight_surfaces_in_the_next_turn_and_closes_the_synchronisation(tmp_path, monkeypatch):
+    """A stage that raises stops the worker's turn that runs it, and nothing of the
+    synchronisation stays in flight."""
     from isoloco import outer as outer_module
 
     cfg = resolve(None, {**SMALL, "method": "isoloco", "workers": 2, "inner_steps": 3, "steps": 9,

@@ -12,8 +12,14 @@ start collectives as async handles; `start` runs the first stage, and the next o
 fixed inner steps of the round's first worker, spread over the τ steps (stage k at step
 ⌈k·τ/S⌉), so every collective is started by the main thread in one order on every rank, as
 NCCL requires. Between those steps the transfers proceed on their own (the backend's
-threads, the network); on a GPU the stages' kernels run on a side stream. An error raised by a
-stage is kept and raised at the landing.
+threads, the network); on a GPU the stages' kernels run on a side stream.
+
+An error raised by a stage is raised at once, from the inner step that ran it, and nothing
+stays in flight. Kept for the landing, it would let this rank train on: its next gradient
+all-reduce would meet, on the same island group, its peers' next stage collective (a hang on
+NCCL, or wrong numbers). Raised, it ends the run's block in `process_group`, which posts it,
+and the peer watchdog stops every other rank naming it (exit 3) before this one posts
+another collective.
 
 `InFlight` also holds θ_t, which workers' own weights are rebuilt from: a worker keeps only
 Δ_r = θ_t − θ_r between rounds, so θ_r is θ_t − Δ_r again, bit for bit the same in every
@@ -47,14 +53,13 @@ class InFlight:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._steps = None
         self._resume_at: list[int] = []
-        self._error: BaseException | None = None
         self._began = self._ended = 0.0
         #: Seconds the last landed synchronisation ran (start to end), and training spent on it.
         self.ran_s = self.waited_s = 0.0
 
     @property
     def running(self) -> bool:
-        return self._steps is not None or self._error is not None
+        return self._steps is not None
 
     @torch.no_grad()
     def start(self, sync: Sync) -> None:
@@ -63,7 +68,7 @@ class InFlight:
         torch._foreach_copy_(self.base, self._global_params)
         if self._stream is not None:  # the merge reads what the training stream wrote
             self._stream.wait_stream(torch.cuda.current_stream(self._device))
-        self._steps, self._error = sync.steps, None
+        self._steps = sync.steps
         stages = max(sync.stages, 1)
         self._resume_at = sorted({math.ceil(k * self._window / stages) for k in range(1, stages)} - {0})
         self._began, self.waited_s = time.perf_counter(), 0.0
@@ -76,18 +81,15 @@ class InFlight:
             self._resume()
 
     def land(self) -> bool:
-        """Run what is left of the synchronisation in flight (if any) and raise its error;
-        True when one was in flight (its seconds are then in `ran_s` and `waited_s`)."""
+        """Run what is left of the synchronisation in flight (if any); True when one was in
+        flight (its seconds are then in `ran_s` and `waited_s`)."""
         if not self.running:
             return False
         while self._steps is not None:
             self._resume()
-        error, self._error = self._error, None
         if self._stream is not None:
             torch.cuda.current_stream(self._device).wait_stream(self._stream)
         self.ran_s = self._ended - self._began
-        if error is not None:
-            raise error
         return True
 
     def _resume(self) -> None:
@@ -97,8 +99,10 @@ class InFlight:
                 next(self._steps)
         except StopIteration:
             self._steps = None
-        except Exception as error:  # kept for the landing, where every rank stops
-            self._steps, self._error = None, error
+        except BaseException:
+            # A generator that raised is finished: nothing stays in flight (module docstring).
+            self._steps, self._resume_at = None, []
+            raise
         self._ended = time.perf_counter()
         self.waited_s += self._ended - began
 
@@ -111,4 +115,4 @@ class InFlight:
         """Drop the synchronisation in flight, if any, without running the rest of it."""
         if self._steps is not None:
             self._steps.close()
-        self._steps, self._error, self._resume_at = None, None, []
+        self._steps, self._resume_at = None, []
