@@ -54,8 +54,9 @@ class Worker:
     index: int  # global worker id, 0..R-1
     optimizer: InnerOptimizer
     delta: list[torch.Tensor]  # Δ = θ − θ_r after the worker's turn (storage device); dp: empty
-    #: With `merge.error_feedback`: what compressing its deltas has lost so far, per parameter
-    #: (storage device; checkpointed with the worker); otherwise empty.
+    #: With `merge.error_feedback`: what compressing its deltas has lost so far, per parameter;
+    #: with outer.transport=sparseloco, its accumulator (storage device; checkpointed with the
+    #: worker); otherwise empty.
     residual: list[torch.Tensor] = dataclasses.field(default_factory=list)
     #: With `faults.late=carry`: its deltas that missed their rounds, down-weighted, waiting for
     #: the next round it arrives in (storage device; checkpointed with the worker); otherwise empty.
@@ -167,8 +168,10 @@ class DiLoCo(Algorithm):
         # worker's moments are copied to the GPU while the current one trains (`begin_turn`).
         self.overlaps = storage.type == "cpu" and device.type == "cuda"
         carries = cfg.faults.late_rate > 0 and cfg.faults.late == "carry"
+        # SparseLoCo's accumulators live where error feedback's residuals do (and are checkpointed so).
+        self.feedback = cfg.merge.error_feedback or cfg.outer.transport == "sparseloco"
         self.workers = [Worker(w, self.new_optimizer(), self._buffers(),
-                               self._buffers() if cfg.merge.error_feedback else [],
+                               self._buffers() if self.feedback else [],
                                self._buffers() if carries else [])
                         for w in dist.comm.local_worker_ids]
         self.dropped: list[int] = []  # the workers left out of the last round as diverged
@@ -323,7 +326,7 @@ class DiLoCo(Algorithm):
         # Stored deltas (host memory when offloaded) reach the device a parameter at a time.
         deltas = {name: [w.delta[i] for w in self.workers] for i, name in enumerate(self.names)}
         residuals = ({name: [w.residual[i] for w in self.workers] for i, name in enumerate(self.names)}
-                     if self.cfg.merge.error_feedback else None)
+                     if self.feedback else None)
         step = self.outer.start(deltas, round=round, fetch=self._fetch, participation=participation,
                                 residuals=residuals)
         return Sync(self._after_merge(step.steps), step.stages)

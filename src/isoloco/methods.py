@@ -35,6 +35,10 @@ METHODS: dict[str, dict[str, Any]] = {
                "outer.momentum": 0.6, "inner.lr": 0.00138},
     "isoloco_muon": {"inner.optimizer": "muon", "merge.rule": "iso_c", "outer.optimizer": "nesterov",
                      "outer.lr": 1.8, "outer.momentum": 0.8, "inner.lr": 0.00138},
+    # SparseLoCo as tplr-ai/templar deploys it: error feedback with decay in momentum's place, SGD at lr 1
+    # (docs/fidelity.md); DiLoCo's inner lr, since its own is for other models.
+    "sparseloco": {"merge.rule": "mean", "outer.transport": "sparseloco", "outer.optimizer": "sgd", "outer.lr": 1.0,
+                   "outer.momentum": 0.0, "inner.lr": 0.00138},
 }
 
 for _values in METHODS.values():

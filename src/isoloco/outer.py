@@ -21,12 +21,17 @@ import torch
 from isoloco.comm import Communicator
 from isoloco.configbase import check_choices, check_positive, check_range, option
 from isoloco.errors import ConfigError
-from isoloco.merge import MergeConfig, Merger, Participation
+from isoloco.merge import MergeConfig, Merger, Participation, _first_non_finite, _raise_non_finite
 from isoloco.ortho import IsoSettings, iso_correct
 from isoloco.spectra import SpectraProbe
 from isoloco.sync.handles import Steps, Sync, run_to_end
+from isoloco.sync.sparseloco import MAX_TILE, Tiling, sparseloco_mean
 
 PLACEMENTS = ("gradient", "update")
+#: `outer.transport`: how the workers' pseudo-gradients reach the outer step.
+TRANSPORTS = ("merge", "sparseloco")
+#: The rules that can follow SparseLoCo's mean: those applied to the mean itself.
+SPARSELOCO_RULES = ("mean", "iso_c")
 
 
 @dataclasses.dataclass
@@ -52,6 +57,19 @@ class OuterConfig:
         "with overlap_steps > 0: the share α of a worker's own weights kept when the merged "
         "update lands, θ_r ← (1 − α)·θ + α·θ_r (0 discards the τ steps' progress, as torchft)",
     )
+    transport: str = option(
+        "merge",
+        "how the workers' pseudo-gradients reach the outer step: merge (merge.rule, with merge.quantize and "
+        "merge.compress) or sparseloco (each worker's error-feedback accumulator, the top-k of its tiles with "
+        "2-bit values, all-gathered, clipped to the median worker and averaged; merge.rule mean or iso_c then "
+        "applies to that mean; docs/fidelity.md)", choices=TRANSPORTS)
+    sparse_decay: float = option(0.95, "transport=sparseloco: β of each worker's accumulator, e ← β·e + Δ before "
+                                       "it is sent; in [0, 1]")
+    sparse_tile: int = option(64, f"transport=sparseloco: a matrix travels in tiles whose sides are the largest "
+                                  f"divisors of its sides at most this, a vector in runs as long; at most "
+                                  f"{MAX_TILE} (indices travel as 12 bits)")
+    sparse_topk: int = option(64, "transport=sparseloco: entries sent per tile, rounded down to even, at least 2, "
+                                  "at most the tile's")
 
     def validate(self) -> None:
         check_choices("outer", self)
@@ -61,6 +79,9 @@ class OuterConfig:
         if self.overlap_steps < 0:
             raise ConfigError(f"outer.overlap_steps={self.overlap_steps} is not allowed: it must be >= 0 "
                               "(0 turns the overlap off)")
+        check_range("outer.sparse_decay", self.sparse_decay, 0, 1, low_open=False, high_open=False)
+        check_range("outer.sparse_tile", self.sparse_tile, 1, MAX_TILE, low_open=False, high_open=False)
+        check_positive("outer.sparse_topk", self.sparse_topk)
         if self.optimizer == "nesterov" and self.momentum == 0:
             raise ConfigError(
                 "outer.momentum=0 is not allowed with outer.optimizer=nesterov: Nesterov needs "
@@ -71,6 +92,11 @@ class OuterConfig:
     def effective_momentum(self) -> float:
         return self.momentum if self.optimizer == "nesterov" else 0.0
 
+    @property
+    def tiling(self) -> Tiling | None:
+        """Which entries transport=sparseloco sends; None with transport=merge."""
+        return Tiling(self.sparse_tile, self.sparse_topk) if self.transport == "sparseloco" else None
+
 
 def validate_combination(merge: MergeConfig, outer: OuterConfig) -> None:
     """Checks that involve both configs (each is validated on its own by its `validate`)."""
@@ -80,6 +106,18 @@ def validate_combination(merge: MergeConfig, outer: OuterConfig) -> None:
             f"Iso-C correction after the momentum, so it needs merge.rule=iso_c; set "
             f"merge.rule=iso_c, or outer.iso_placement=gradient to keep {merge.rule}"
         )
+    if outer.transport != "sparseloco":
+        return
+    if merge.lossy_setting is not None:
+        raise ConfigError(f"{merge.lossy_setting} is not allowed with outer.transport=sparseloco: SparseLoCo sends "
+                          f"its own 2-bit top-k entries; set {merge.lossy_setting.split('=')[0]}=none")
+    if merge.rule not in SPARSELOCO_RULES:
+        raise ConfigError(f"merge.rule={merge.rule} is not allowed with outer.transport=sparseloco: SparseLoCo "
+                          "averages the workers' decoded entries itself, and only a rule applied to that mean can "
+                          "follow; set merge.rule=mean or iso_c")
+    if merge.weighting != "equal":
+        raise ConfigError(f"merge.weighting={merge.weighting} is not allowed with outer.transport=sparseloco: an "
+                          "entry is the plain mean over the workers that sent it; set merge.weighting=equal")
 
 
 def _nesterov(grad: torch.Tensor, state: dict, momentum: float) -> torch.Tensor:
@@ -204,7 +242,9 @@ class OuterStep:
 
     With ``merge.rule=iso_c`` and ``outer.iso_placement=update`` the aggregation is the plain
     mean and `IsoLoCo` corrects after momentum; every other combination merges with the
-    configured rule and steps with torch's SGD.
+    configured rule and steps with torch's SGD. With ``outer.transport=sparseloco`` the
+    pseudo-gradients travel as SparseLoCo's (`isoloco.sync.sparseloco`) and the rule's last
+    step (Iso-C's orthogonalisation) applies to their mean.
     """
 
     _BUFFER_KEY = "momentum_buffer."
@@ -228,6 +268,7 @@ class OuterStep:
         self.comm = comm
         aggregation = dataclasses.replace(merge, rule="mean") if outer.iso_placement == "update" else merge
         self.merger = Merger(aggregation, comm, seed)
+        self.tiling, self.decay = outer.tiling, outer.sparse_decay
         self.optimizer = build_outer_optimizer(self.named_params, merge, outer, comm)
         #: Measures every outer step's spectra once `measure_spectra` is called (`log.spectra`).
         self.spectra: SpectraProbe | None = None
@@ -255,19 +296,44 @@ class OuterStep:
         parameter at a time (see `Merger.start`). `participation`: the workers this step merges
         and their weights, when not every worker alike (a round that left out a late or diverged
         worker, or weighs workers by their tokens); the merge normalises by those that arrived.
-        `residuals`: the workers' error-feedback residuals, like the deltas (see `Merger.start`)."""
+        `residuals`: the workers' error-feedback residuals, like the deltas (see `Merger.start`);
+        with outer.transport=sparseloco, their accumulators."""
         if set(local_deltas) != set(self._params):
             missing = sorted(set(self._params) - set(local_deltas))
             unexpected = sorted(set(local_deltas) - set(self._params))
             raise ValueError(
                 f"local_deltas must hold one entry per parameter; missing {missing}, unexpected {unexpected}"
             )
-        merge = self.merger.start({name: local_deltas[name] for name, _ in self.named_params}, round, fetch,
-                                  residuals, participation=participation)
+        ordered = {name: local_deltas[name] for name, _ in self.named_params}
+        if self.tiling is None:
+            merge = self.merger.start(ordered, round, fetch, residuals, participation=participation)
+        else:
+            merge = self._sparseloco(ordered, round, fetch, participation, residuals)
         if participation is not None:  # the spectra measure the merged workers' deltas
             arrived = [i for i, w in enumerate(self.comm.local_worker_ids) if w in participation.arrived]
             local_deltas = {name: [deltas[i] for i in arrived] for name, deltas in local_deltas.items()}
         return Sync(self._apply(merge.steps, local_deltas, fetch), merge.stages)
+
+    def _sparseloco(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int,
+                    fetch: Callable[[torch.Tensor], torch.Tensor] | None, participation: Participation | None,
+                    accumulators: Mapping[str, Sequence[torch.Tensor]] | None) -> Sync[dict[str, torch.Tensor]]:
+        """SparseLoCo's merge (one stage), then the rule's finalize of each mean."""
+        if accumulators is None:
+            raise ValueError("outer.transport=sparseloco needs the workers' accumulators: pass residuals=")
+        if participation is not None and len(set(participation.weights or (1.0,))) > 1:
+            raise ValueError("outer.transport=sparseloco averages its workers alike: pass no unequal weights")
+        arrived = None if participation is None else participation.arrived
+        local = [index for index, worker in enumerate(self.comm.local_worker_ids) if arrived is None or worker in arrived]
+        if local:
+            bad = _first_non_finite([[deltas[index] for index in local] for deltas in local_deltas.values()])
+            if bad is not None:
+                _raise_non_finite(list(local_deltas)[bad[0]], self.comm.local_worker_ids[local[bad[1]]], round)
+        means = sparseloco_mean(self.comm, local_deltas, accumulators, self.tiling, self.decay, arrived, fetch)
+        return Sync(self._finalized(means), 1)
+
+    def _finalized(self, means: Steps[dict[str, torch.Tensor]]) -> Steps[dict[str, torch.Tensor]]:
+        merged = yield from means
+        return {name: self.merger.finalize(name, mean) for name, mean in merged.items()}
 
     def _apply(self, merge: Steps[dict[str, torch.Tensor]], local_deltas: Mapping[str, Sequence[torch.Tensor]],
                fetch: Callable[[torch.Tensor], torch.Tensor] | None) -> Steps[None]:

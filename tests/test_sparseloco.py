@@ -1,0 +1,312 @@
+"""SparseLoCo (`outer.transport=sparseloco`, `method=sparseloco`) against the released code.
+
+The oracle below re-implements, in float64 numpy and with loops where the reference relies on
+a library's semantics, the functions of tplr-ai/templar that the deployed recipe runs each
+round: `prepare_gradient_dict` (error feedback e ← β·e + lr·Δ, `ChunkingTransformer.encode`
+without DCT, `TopKCompressor.compress` with its 4-bin statistical quantisation, `decompress`,
+`decode`, e ← e − transmitted) and `outer_step` (`batch_decompress` with the median norm clip
+and `scatter_reduce(mean, include_self=False)`, `decode`, then SGD).
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from isoloco.comm import LocalCommunicator
+from isoloco.config import resolve
+from isoloco.errors import ConfigError, NonFiniteDeltaError
+from isoloco.merge import MergeConfig, Participation
+from isoloco.metrics import read_metrics
+from isoloco.outer import OuterConfig, OuterStep
+from isoloco.sync import sparseloco
+from isoloco.sync.cost import wire_bytes
+from isoloco.trainer import Trainer
+
+from helpers import SMALL
+
+# ----------------------------------------------------------------------------- the oracle
+
+
+def ref_split(n: int, close_to: int) -> int:
+    """`_get_smaller_split`: walk n's divisors upwards, stop at close_to or just below it."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    for index, value in enumerate(divisors):
+        if value == close_to:
+            return value
+        if value > close_to:
+            return value if index == 0 else divisors[index - 1]
+    return n
+
+
+def ref_chunks(x: np.ndarray, target: int) -> tuple[np.ndarray, tuple]:
+    """`encode` then `compress`'s rearrange: rows of chunks, chunk (y, x) entry i·w + j = X[y·h + i, x·w + j]."""
+    if x.ndim == 1:
+        w = ref_split(x.shape[0], target)
+        return np.array([[x[c * w + j] for j in range(w)] for c in range(x.shape[0] // w)]), (1, w)
+    h, w = ref_split(x.shape[0], target), ref_split(x.shape[1], target)
+    rows = []
+    for y in range(x.shape[0] // h):
+        for col in range(x.shape[1] // w):
+            rows.append([x[y * h + i, col * w + j] for i in range(h) for j in range(w)])
+    return np.array(rows), (h, w)
+
+
+def ref_unchunk(chunks: np.ndarray, shape: tuple, tile: tuple) -> np.ndarray:
+    """`decode`: the inverse rearrange."""
+    h, w = tile
+    out = np.zeros(shape)
+    if len(shape) == 1:
+        return chunks.reshape(-1)
+    per_row = shape[1] // w
+    for c, row in enumerate(chunks):
+        y, col = divmod(c, per_row)
+        for e, value in enumerate(row):
+            i, j = divmod(e, w)
+            out[y * h + i, col * w + j] = value
+    return out
+
+
+def ref_clamp_topk(topk: int, total: int) -> int:
+    topk = max(min(topk, total), 2)
+    return topk - topk % 2
+
+
+def ref_quantize(val: np.ndarray, bins: int = 4, sigmas: int = 6) -> np.ndarray:
+    """`_quantize_values` and `_dequantize_values`: what the receiver decodes."""
+    shift = val.mean()
+    centered = val - shift
+    scale = sigmas * (np.linalg.norm(centered) / math.sqrt(centered.size - 1)) / bins
+    if scale == 0 or not np.isfinite(scale):
+        scale = 1.0
+    codes = np.clip(np.round(centered / scale + bins // 2), 0, bins - 1).astype(int)  # round half to even
+    lookup = [centered[codes == b].mean() if (codes == b).any() else 0.0 for b in range(bins)]
+    return np.array([lookup[c] for c in codes.reshape(-1)]).reshape(val.shape) + shift
+
+
+def ref_compress(e: np.ndarray, target: int, topk: int) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """(indices, dequantized values) per chunk, and the tile."""
+    chunks, tile = ref_chunks(e, target)
+    k = ref_clamp_topk(topk, chunks.shape[1])
+    idx = np.argsort(-np.abs(chunks), axis=1, kind="stable")[:, :k]
+    val = np.take_along_axis(chunks, idx, axis=1)
+    return idx, ref_quantize(val), tile
+
+
+def ref_scatter_mean(shape: tuple, pieces: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """`scatter_reduce_(reduce="mean", include_self=False)` into zeros over the concatenated pieces."""
+    sent: dict[tuple[int, int], list[float]] = {}
+    for idx, val in pieces:
+        for c in range(idx.shape[0]):
+            for i, v in zip(idx[c], val[c]):
+                sent.setdefault((c, int(i)), []).append(v)
+    out = np.zeros(shape)
+    for (c, i), values in sent.items():
+        out[c, i] = sum(values) / len(values)
+    return out
+
+
+def ref_round(theta, errors, deltas, target, topk, decay, lr, arrived):
+    """One round of the deployed recipe for every tensor: each arrived worker's error feedback
+    and compression, then the clipped mean and the SGD step. Updates `errors`, returns θ."""
+    new_theta = {}
+    for name, param in theta.items():
+        sent = []
+        for worker in arrived:
+            e = errors[worker][name] * decay + lr * deltas[worker][name]
+            idx, val, tile = ref_compress(e, target, topk)
+            chunks_shape = ref_chunks(e, target)[0].shape
+            errors[worker][name] = e - ref_unchunk(ref_scatter_mean(chunks_shape, [(idx, val)]), e.shape, tile)
+            sent.append((idx, val))
+        norms = np.array([np.linalg.norm(val) for _, val in sent])
+        median = np.sort(norms)[(len(norms) - 1) // 2]  # torch.median: the lower of the two middle ones
+        clipped = [(idx, val * min(median / (norm + 1e-8), 1.0)) for (idx, val), norm in zip(sent, norms)]
+        chunks_shape = ref_chunks(param, target)[0].shape
+        grad = ref_unchunk(ref_scatter_mean(chunks_shape, clipped), param.shape, tile)
+        new_theta[name] = param - lr * grad
+    return new_theta
+
+
+# ------------------------------------------------------------------------------ the tests
+
+SHAPES = {"attn.weight": (128, 192), "ffn.weight": (10, 7), "norm.weight": (96,), "head.weight": (64, 64)}
+
+
+def sparse_outer(topk: int, workers: int, rule: str = "mean", lr: float = 1.0) -> tuple[OuterStep, dict]:
+    params = {name: torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(i)))
+              for i, (name, shape) in enumerate(SHAPES.items())}
+    outer = OuterConfig(optimizer="sgd", lr=lr, momentum=0.0, transport="sparseloco", sparse_topk=topk)
+    step = OuterStep(list(params.items()), MergeConfig(rule=rule), outer, LocalCommunicator(workers), seed=0)
+    return step, params
+
+
+def round_deltas(workers: int, round: int) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + round)
+    return {name: [torch.randn(shape, generator=g) * (1 + w) for w in range(workers)] for name, shape in SHAPES.items()}
+
+
+@pytest.mark.parametrize("topk, workers", [(8, 3), (64, 4), (2, 2)])
+def test_rounds_match_the_released_functions_in_float64(topk, workers):
+    step, params = sparse_outer(topk, workers)
+    accumulators = {name: [torch.zeros(shape) for _ in range(workers)] for name, shape in SHAPES.items()}
+    theta = {name: p.detach().double().numpy().copy() for name, p in params.items()}
+    errors = [{name: np.zeros(shape) for name, shape in SHAPES.items()} for _ in range(workers)]
+    for round in range(3):
+        deltas = round_deltas(workers, round)
+        step.step(deltas, round, residuals=accumulators)
+        ref_deltas = [{name: deltas[name][w].double().numpy() for name in SHAPES} for w in range(workers)]
+        theta = ref_round(theta, errors, ref_deltas, 64, topk, 0.95, 1.0, range(workers))
+        for name in SHAPES:
+            np.testing.assert_allclose(params[name].detach().double().numpy(), theta[name], rtol=2e-5, atol=2e-6,
+                                       err_msg=f"{name}, round {round}")
+            for w in range(workers):
+                np.testing.assert_allclose(accumulators[name][w].double().numpy(), errors[w][name], rtol=2e-5,
+                                           atol=2e-6, err_msg=f"{name}, worker {w}, round {round}")
+
+
+def test_a_late_worker_neither_sends_nor_touches_its_accumulator():
+    workers = 3
+    step, params = sparse_outer(8, workers)
+    accumulators = {name: [torch.full(shape, 0.5) for _ in range(workers)] for name, shape in SHAPES.items()}
+    theta = {name: p.detach().double().numpy().copy() for name, p in params.items()}
+    errors = [{name: np.full(shape, 0.5) for name, shape in SHAPES.items()} for _ in range(workers)]
+    deltas = round_deltas(workers, 0)
+    step.step(deltas, 0, participation=Participation((0, 2)), residuals=accumulators)
+    ref_deltas = [{name: deltas[name][w].double().numpy() for name in SHAPES} for w in range(workers)]
+    theta = ref_round(theta, errors, ref_deltas, 64, 8, 0.95, 1.0, (0, 2))
+    for name in SHAPES:
+        np.testing.assert_allclose(params[name].detach().double().numpy(), theta[name], rtol=2e-5, atol=2e-6)
+        assert torch.equal(accumulators[name][1], torch.full(SHAPES[name], 0.5))
+
+
+def test_iso_c_applies_to_the_decoded_mean():
+    """merge.rule=iso_c: the mean SparseLoCo sends, orthogonalised (every singular value their mean;
+    in float64 from the plain run's mean)."""
+    workers = 2
+    plain, plain_params = sparse_outer(8, workers)
+    iso, iso_params = sparse_outer(8, workers, rule="iso_c")
+    start = {name: p.detach().clone() for name, p in plain_params.items()}
+    for step in (plain, iso):
+        step.step(round_deltas(workers, 0), 0,
+                  residuals={name: [torch.zeros(shape) for _ in range(workers)] for name, shape in SHAPES.items()})
+    for name, shape in SHAPES.items():
+        mean = (start[name] - plain_params[name].detach()).double()
+        if len(shape) == 2:
+            # A sparse mean may be rank-deficient: Iso-C drops its null directions (docs/fidelity.md).
+            u, s, vh = torch.linalg.svd(mean, full_matrices=False)
+            kept = s > 1e-5 * s[0]
+            mean = s.mean() * u[:, kept] @ vh[kept]
+        torch.testing.assert_close((start[name] - iso_params[name].detach()).double(), mean, rtol=1e-4, atol=1e-5)
+
+
+def test_the_wire_round_trips_and_is_as_long_as_its_count():
+    layout = sparseloco.Tiling(64, 64).layout((128, 192))
+    x = torch.randn(128, 192, generator=torch.Generator().manual_seed(3))
+    blob = sparseloco.encode(x, layout)
+    # 6 tiles of 64 entries: 20 bytes of header, 576 in 12 bits, 384 codes of 2 bits.
+    assert blob.dtype == torch.uint8 and blob.numel() == layout.nbytes == 20 + 576 + 96
+    index, values = sparseloco.decode(blob, layout)
+    tiles = layout.to_tiles(x)
+    expected = tiles.abs().topk(64, dim=1).indices.sort(dim=1).values
+    assert torch.equal(index, expected)
+    torch.testing.assert_close(values, torch.from_numpy(ref_quantize(tiles.gather(1, expected).double().numpy()))
+                               .float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("count", [1, 2, 7, 64])
+def test_indices_pack_as_the_reference_packs_them(count):
+    indices = torch.randint(0, 4096, (count,), generator=torch.Generator().manual_seed(count))
+    packed = sparseloco.pack_indices(indices)
+    assert torch.equal(sparseloco.unpack_indices(packed, count), indices)
+    pairs = np.pad(indices.numpy(), (0, count % 2)).reshape(-1, 2)  # the reference's byte layout
+    expected = np.stack([pairs[:, 0] & 0xFF, ((pairs[:, 0] >> 8) & 0x0F) | ((pairs[:, 1] & 0x0F) << 4),
+                         (pairs[:, 1] >> 4) & 0xFF], axis=1).reshape(-1)
+    assert packed.tolist() == expected.tolist()
+    codes = torch.randint(0, 4, (count,), dtype=torch.uint8, generator=torch.Generator().manual_seed(count))
+    assert torch.equal(sparseloco.unpack_codes(sparseloco.pack_codes(codes), count), codes)
+
+
+def test_tiles_follow_the_reference_split_and_a_prime_side_still_travels():
+    """Where the reference would ask for 2 entries of a 1-entry chunk (a prime side above the
+    tile), each entry is its own tile and travels whole."""
+    for n in (1, 7, 64, 96, 130, 192, 4096, 67):
+        assert sparseloco.tile_side(n, 64) == ref_split(n, 64), n
+    layout = sparseloco.Tiling(64, 64).layout((67,))
+    assert (layout.entries, layout.kept) == (1, 1)
+    x = torch.randn(67, generator=torch.Generator().manual_seed(0))
+    index, values = sparseloco.decode(sparseloco.encode(x, layout), layout)
+    assert torch.equal(index, torch.zeros(67, 1, dtype=torch.int64))
+    torch.testing.assert_close(values.reshape(-1), torch.from_numpy(ref_quantize(x.double().numpy())).float())
+
+
+def test_the_bytes_are_the_cost_models_all_gather_of_the_blobs():
+    shapes = list(SHAPES.values())
+    tiling = sparseloco.Tiling(64, 64)
+    blob = sum(tiling.layout(shape).nbytes for shape in shapes)
+    assert sparseloco.wire_bytes_per_merge(shapes, tiling, 4) == wire_bytes("all_gather", blob, 4) == 3 * blob
+    comm = LocalCommunicator(2)
+    step = OuterStep([(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()],
+                     MergeConfig(), OuterConfig(optimizer="sgd", lr=1.0, transport="sparseloco"), comm, seed=0)
+    step.step(round_deltas(2, 0), 0, residuals={n: [torch.zeros(s), torch.zeros(s)] for n, s in SHAPES.items()})
+    assert comm.reset_bytes() == blob
+
+
+def test_a_non_finite_delta_is_refused_before_it_is_sent():
+    step, _ = sparse_outer(8, 2)
+    deltas = round_deltas(2, 0)
+    deltas["norm.weight"][1][3] = float("nan")
+    accumulators = {name: [torch.zeros(shape) for _ in range(2)] for name, shape in SHAPES.items()}
+    with pytest.raises(NonFiniteDeltaError, match="'norm.weight' from worker 1 in round 0"):
+        step.step(deltas, 0, residuals=accumulators)
+    assert all(not a.any() for kept in accumulators.values() for a in kept)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"merge.quantize": "int8"}, "merge.quantize=int8 is not allowed with outer.transport=sparseloco: SparseLoCo "
+                                 "sends its own 2-bit top-k entries; set merge.quantize=none"),
+    ({"merge.compress": "topk"}, "set merge.compress=none"),
+    ({"merge.rule": "ties"}, "merge.rule=ties is not allowed with outer.transport=sparseloco"),
+    ({"merge.weighting": "tokens"}, "set merge.weighting=equal"),
+    ({"outer.sparse_tile": 128}, "outer.sparse_tile=128 is not allowed: it must be in [1, 64]"),
+    ({"outer.sparse_decay": 1.5}, "outer.sparse_decay=1.5 is not allowed: it must be in [0, 1]"),
+    ({"outer.sparse_topk": 0}, "outer.sparse_topk=0 is not allowed: it must be > 0"),
+])
+def test_refusals_name_the_value_and_the_fix(overrides, words):
+    with pytest.raises(ConfigError) as error:
+        resolve(None, {"method": "sparseloco", **overrides})
+    assert words in str(error.value)
+
+
+class Stop(Exception):
+    pass
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(tmp_path):
+    """The accumulators are checkpointed with their workers (`w<id>.residual.<param>`)."""
+    overrides = {**SMALL, "method": "sparseloco", "workers": 2, "inner_steps": 3, "steps": 12, "eval_every": 6,
+                 "checkpoint_every": 6, "outer.sparse_topk": 8}
+
+    def run(name, hooks=(), resume=False):
+        (tmp_path / name).mkdir(exist_ok=True)
+        trainer = Trainer(resolve(None, overrides), tmp_path / name, progress=False)
+        trainer.after_turn.extend(hooks)
+        trainer.run(resume=resume)
+        return trainer
+
+    reference = run("reference")
+
+    def stop(worker, start, end):
+        if start == 6:
+            raise Stop
+
+    with pytest.raises(Stop):
+        run("killed", [stop])
+    resumed = run("killed", resume=True)
+    for ours, theirs in zip(resumed.global_params, reference.global_params, strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(resumed.workers, reference.workers, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours.residual, theirs.residual, strict=True))
+    ours, theirs = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("killed", "reference"))
+    assert [m["train_loss"] for m in ours] == [m["train_loss"] for m in theirs]
+    assert ours[-1]["bytes_per_worker"] > 0
