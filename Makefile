@@ -15,8 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "installing PyTorch ($(TORCH), the CPU build; the largest download, so the longest step)"
 	$(BIN)/pip install --quiet "$(TORCH)"
-	@echo "installing isoloco and its dependencies (transformers, tokenizers, the embedded corpus, test tools)"
-	$(BIN)/pip install --quiet -e ".[dev,torchft]"
+	@echo "installing isoloco and its dependencies (transformers, tokenizers, the embedded corpus, test tools, torchft, torchtitan)"
+	$(BIN)/pip install --quiet -e ".[dev,torchft,torchtitan]"
 	touch $@
 
 # The quick preset's final validation loss on the CPUs the README names: a CPU's kernels move

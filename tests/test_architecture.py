@@ -16,9 +16,11 @@ LAYERS = [
     ("sync layer", {"isoloco.comm", "isoloco.sync.*"}),
     ("merge rules", {"isoloco.rules", "isoloco.merge"}),
     ("outer step", {"isoloco.outer", "isoloco.spectra"}),
-    ("processes and run config", {"isoloco.distributed", "isoloco.sharded_checkpoint", "isoloco.config"}),
+    ("processes and run config", {"isoloco.layout", "isoloco.torch_comm", "isoloco.distributed",
+                                  "isoloco.sharded_checkpoint", "isoloco.config"}),
     ("training loop", {"isoloco.algorithms", "isoloco.trainer"}),
-    ("tools on runs", {"isoloco.report", "isoloco.export", "isoloco.bench.*", "isoloco.torchft.*"}),
+    ("tools on runs", {"isoloco.report", "isoloco.export", "isoloco.bench.*", "isoloco.torchft.*",
+                       "isoloco.torchtitan.*"}),
     ("commands", {"isoloco.sweep", "isoloco.cli", "isoloco.__main__"}),
 ]
 

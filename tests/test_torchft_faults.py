@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from isoloco.comm import LocalCommunicator
 from isoloco.config import TrainConfig
@@ -28,9 +28,8 @@ from isoloco.outer import OuterStep
 
 pytest.importorskip("torchft", reason="the torchft extra is not installed: pip install -e '.[torchft]'")
 
-from isoloco.torchft import internals  # noqa: E402
 from isoloco.torchft.replica import GroupRun, model_fragments, run_replica_group, start_lighthouse  # noqa: E402
-from torchft_groups import JOIN_S, QUORUM_METHODS, SPAWN, config, join_groups  # noqa: E402
+from torchft_groups import JOIN_S, QUORUM_METHODS, SPAWN, config, join_groups, record_synchronisations  # noqa: E402
 
 pytestmark = [pytest.mark.torchft, pytest.mark.multiprocess]
 
@@ -53,34 +52,6 @@ def _meet(out: Path, mine: str, theirs: str) -> None:
     while not (out / theirs).exists():
         assert time.monotonic() < end, f"{theirs} never came"
         time.sleep(0.05)
-
-
-def _record_synchronisations(prefix: Path) -> None:
-    """Have torchft's fragments in this process write each synchronisation they commit or not
-    as `prefix`-sync<round>: θ before it, the pseudo-gradient torchft has just taken (before any
-    merge reads it), θ after it, the number of groups in the quorum and whether it committed."""
-    from torchft.local_sgd import _StreamingDiLoCoFragment as Fragment
-
-    take, synchronise = Fragment._save_grads, Fragment.perform_sync
-    taken: dict = {}
-
-    def save_grads(fragment) -> None:
-        take(fragment)
-        manager = internals.fragment_manager(fragment)
-        taken.update(round=manager.current_step(), participants=manager.num_participants(), tensors={
-            **{f"delta.{n}": g.clone() for n, g in internals.pseudo_gradients(fragment).items()},
-            **{f"before.{n}": p.clone() for n, p in fragment.original_parameters.items()}})
-
-    def perform_sync(fragment) -> bool:
-        committed = synchronise(fragment)
-        path = f"{prefix}-sync{taken['round']}"
-        save_file({**taken.pop("tensors"), **{f"after.{n}": p.detach().clone()
-                                              for n, p in internals.fragment_model(fragment).named_parameters()}},
-                  f"{path}.safetensors")
-        Path(f"{path}.json").write_text(json.dumps({**taken, "committed": committed}))
-        return committed
-
-    Fragment._save_grads, Fragment.perform_sync = save_grads, perform_sync
 
 
 class _Survivor:
@@ -127,7 +98,7 @@ class _Restarted:
 
 def _fault_group(cfg: TrainConfig, replica: int, lighthouse: str, out: Path, on_step, name: str) -> None:
     torch.set_num_threads(1)
-    _record_synchronisations(out / name)
+    record_synchronisations(out / name)
     run_replica_group(cfg, replica, lighthouse, on_step=on_step).save(out / name)
 
 

@@ -1,12 +1,20 @@
-"""What the torchft test modules share: their tiny run, the rules merged in the quorum, and
-replica-group processes started and joined with a deadline."""
+"""What the torchft test modules share: their tiny run, the rules merged in the quorum,
+replica-group processes started and joined with a deadline, and a recorder of what torchft's
+DiLoCo does at each synchronisation (also used by the torchtitan tests)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from isoloco.config import TrainConfig, resolve
+from isoloco.torchft import internals
 
 import helpers
 
@@ -33,3 +41,36 @@ def join_groups(processes: list, deadline_s: float = JOIN_S) -> None:
     for process in hung:
         process.kill()
     assert not hung, f"replica group process(es) {hung} did not finish within {deadline_s} s"
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor`, the whole tensor where it is a DTensor (a parameter under FSDP)."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def record_synchronisations(prefix: Path) -> None:
+    """Have torchft's fragments in this process write each synchronisation they commit or not
+    as `prefix`-sync<round>: θ before it, the pseudo-gradient torchft has just taken (before any
+    merge reads it), θ after it, the number of groups in the quorum and whether it committed."""
+    from torchft.local_sgd import _StreamingDiLoCoFragment as Fragment
+
+    take, synchronise = Fragment._save_grads, Fragment.perform_sync
+    taken: dict = {}
+
+    def save_grads(fragment) -> None:
+        take(fragment)
+        manager = internals.fragment_manager(fragment)
+        taken.update(round=manager.current_step(), participants=manager.num_participants(), tensors={
+            **{f"delta.{n}": whole(g) for n, g in internals.pseudo_gradients(fragment).items()},
+            **{f"before.{n}": whole(p) for n, p in fragment.original_parameters.items()}})
+
+    def perform_sync(fragment) -> bool:
+        committed = synchronise(fragment)
+        path = f"{prefix}-sync{taken['round']}"
+        save_file({**taken.pop("tensors"), **{f"after.{n}": whole(p)
+                                              for n, p in internals.fragment_model(fragment).named_parameters()}},
+                  f"{path}.safetensors")
+        Path(f"{path}.json").write_text(json.dumps({**taken, "committed": committed}))
+        return committed
+
+    Fragment._save_grads, Fragment.perform_sync = save_grads, perform_sync
