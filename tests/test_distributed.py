@@ -22,11 +22,13 @@ from isoloco.bench.workload import parameter_shapes
 from isoloco.config import DEFAULT_PRESET, TrainConfig, parse_overrides, resolve
 from isoloco.errors import ConfigError
 from isoloco.comm import LINK_COUNTS
-from isoloco.distributed import Distributed, ProcessLayout, TorchCommunicator, assign_owners, process_group
+from isoloco.distributed import Distributed, process_group
 from isoloco.launch import add_launch_command, free_port, torchrun_argv
+from isoloco.layout import ProcessLayout
 from isoloco.metrics import read_metrics
 from isoloco.model import count_parameters
 from isoloco.trainer import Trainer
+from isoloco.torch_comm import TorchCommunicator, assign_owners
 
 import helpers
 from helpers import ONE_THREAD_ENV, SMALL_ARGS, assert_close_relative, final_params
@@ -488,7 +490,7 @@ import os
 import sys
 import torch.distributed as dist
 from isoloco.cli import main
-from isoloco.distributed import TorchCommunicator
+from isoloco.torch_comm import TorchCommunicator
 
 failed = []
 if os.environ["RANK"] == "1":

@@ -22,10 +22,11 @@ from isoloco.cliargs import add_items, parse_late
 from isoloco.config import (DEFAULT_PRESET, TrainConfig, describe_keys, from_dict, parse_overrides, preset_names,
                             resolve, run_warnings, split_items, to_dict)
 from isoloco.data.cli import add_data_commands
-from isoloco.distributed import Distributed, ProcessLayout, process_group
+from isoloco.distributed import Distributed, process_group
 from isoloco.errors import EXIT_INTERRUPTED, REPORTED, UsageError, describe
 from isoloco.launch import add_launch_command
 from isoloco.stop import StopRequested
+from isoloco.layout import ProcessLayout
 from isoloco.sweep import add_sweep_commands
 from isoloco.rundir import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, TOKENIZER_FILE
 

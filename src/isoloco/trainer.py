@@ -35,10 +35,11 @@ from isoloco import logs, sharded_checkpoint
 from isoloco.algorithms import Algorithm, Worker, build_algorithm
 from isoloco.config import TrainConfig, to_dict
 from isoloco.data import Batches, TokenData, check_run_data, load_token_data, validation_batches
-from isoloco.distributed import Distributed, ProcessLayout
+from isoloco.distributed import Distributed
 from isoloco.errors import CheckpointError, ConfigError
 from isoloco.inner import forward_backward, mixed_precision, next_token_loss
 from isoloco.metrics import MetricsLog, NullMetricsLog
+from isoloco.layout import ProcessLayout
 from isoloco.model import build_model, count_parameters
 from isoloco.rundir import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, TENSORBOARD_DIR
 from isoloco.spectra import SECONDS_KEY, SPECTRA_KEY, SpectraProbe

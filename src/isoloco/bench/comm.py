@@ -31,9 +31,10 @@ from isoloco.bench.workload import RULE_METHODS, method_sections, parameter_shap
 from isoloco.comm import LINK_COUNTS, Communicator
 from isoloco.sync.cost import wire_bytes
 from isoloco.config import resolve
-from isoloco.distributed import Distributed, TorchCommunicator, process_group
+from isoloco.distributed import Distributed, process_group
 from isoloco.launch import free_port
 from isoloco.outer import OuterStep
+from isoloco.torch_comm import TorchCommunicator
 
 PROCESSES = 2
 FULL = {"presets": ("tiny", "small"), "workers": (2, 8, 32, 128)}

@@ -1,0 +1,251 @@
+"""The merge's collectives over torch.distributed, and the slow link they may be held to.
+
+`TorchCommunicator` is the `Communicator` of one process of a multi-process run: across
+islands it talks to its peer group only, inside its island over the fast link (see
+`isoloco.layout` for who is where). `EmulatedLink` holds each cross-island collective's
+result back until a slow link would have delivered it (`dist.emulate_link`), charging the
+one cost model of `isoloco.sync.cost`. `collective` marks torch.distributed calls so that
+a failure says what it was doing and counts as a possible lost peer.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from isoloco.comm import Communicator, nbytes
+from isoloco.errors import CollectiveError, first_line
+from isoloco.layout import ProcessLayout
+from isoloco.sync.cost import Link, wire_bytes
+from isoloco.sync.handles import Pending
+
+
+class EmulatedLink:
+    """A slow link between islands, emulated on one machine: a collective's result is held
+    back until the link, busy with the collectives before it, would have delivered it (one
+    latency per collective plus its wire bytes at the link's rate)."""
+
+    def __init__(self, gbps: float, latency_ms: float) -> None:
+        self.link = Link(bandwidth=gbps * 1e9 / 8, latency=latency_ms / 1000)
+        self._free_at = 0.0
+
+    def deliver_at(self, wire: float) -> float:
+        """When a collective putting `wire` bytes on the link, started now, is delivered."""
+        begins = max(time.perf_counter(), self._free_at)
+        self._free_at = begins + self.link.transfer_seconds(wire)
+        return self._free_at
+
+
+@contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Mark the torch.distributed calls inside as one collective, so a failure says what it
+    was doing and is recognised as a possible lost peer (see `process_group`)."""
+    try:
+        yield
+    except RuntimeError as err:  # backend errors (gloo, NCCL, store) are RuntimeErrors
+        if isinstance(err, CollectiveError):
+            raise
+        raise CollectiveError(f"{what} failed: {first_line(err)}") from err
+
+
+def assign_owners(costs: list[float], processes: int) -> list[int]:
+    """Owner process of each job: largest jobs first, each to the least loaded process.
+
+    Deterministic (ties go to the lower index), so every process computes the same plan.
+    """
+    load = [0.0] * processes
+    owners = [0] * len(costs)
+    for job in sorted(range(len(costs)), key=lambda j: -costs[j]):
+        owner = min(range(processes), key=lambda p: load[p])
+        owners[job] = owner
+        load[owner] += costs[job]
+    return owners
+
+
+def _orthogonalisation_cost(tensor: torch.Tensor) -> float:
+    """Relative cost of an SVD / Newton–Schulz of `tensor`: m·n·min(m, n) for a matrix."""
+    return tensor.numel() * (min(tensor.shape) if tensor.ndim == 2 else 1)
+
+
+class TorchCommunicator(Communicator):
+    """The merge collectives of one process over torch.distributed.
+
+    Only the merge crosses islands, so its cross-island traffic is split among the island's
+    G processes (the hierarchical pattern of HSDP's replica groups): process j of every
+    island exchanges slice j of each tensor with its peer group, then the island all-gathers
+    the G results over its fast link. HSDP needs a reduce-scatter inside the island first;
+    here the island's processes are data-parallel replicas holding the same deltas, so each
+    already has the island's sum and takes its slice without communicating. Each island
+    thereby sends one copy of what it merges across islands (sums: one model; gathers: its
+    workers' factors), not G copies.
+
+    `shard_map` spreads pure per-tensor work (Iso-C's orthogonalisations) over the island's
+    processes and broadcasts each result from its owner inside the island; across islands
+    each island computes its own, so no result crosses the slow link.
+    """
+
+    def __init__(self, layout: ProcessLayout, peers: dist.ProcessGroup | None,
+                 island: dist.ProcessGroup | None, link: EmulatedLink | None = None) -> None:
+        """`peers`: this process's peer group (None with one island). `island`: its island's
+        group, over whose fast link the cross-island traffic is split; None sends every
+        tensor whole across islands from each process (G = 1, or how isoloco merged islands
+        of G > 1 before the split: the communication benchmark's "before")."""
+        super().__init__()
+        self._layout = layout
+        self._peers = peers
+        self._island = island
+        self._link = link  # an emulated slow link between islands, or None
+        # Slice `_slot` of `_slices` is this process's share of the cross-island traffic.
+        self._slices = layout.group_size if island is not None else 1
+        self._slot = layout.island_rank if island is not None else 0
+
+    @property
+    def num_workers(self) -> int:
+        return self._layout.workers
+
+    @property
+    def local_worker_ids(self) -> list[int]:
+        return self._layout.local_worker_ids
+
+    @property
+    def islands(self) -> int:
+        return self._layout.islands if self._peers is not None else 1
+
+    @property
+    def island(self) -> int:
+        return self._layout.island if self._peers is not None else 0
+
+    @property
+    def island_slices(self) -> tuple[int, int]:
+        return self._slices, self._slot
+
+    def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._start_sum(tensor).wait()
+
+    def _gather_across_processes(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._start_gather(tensors).wait()
+
+    def _start_sum(self, tensor: torch.Tensor) -> Pending[torch.Tensor]:
+        if self._peers is None:
+            return Pending.done(tensor)
+        part = self._slice(tensor)
+        wire = self._cross("all_reduce", nbytes(part))
+        with collective("merge all-reduce"):
+            work = dist.all_reduce(part, group=self._peers, async_op=True)
+        return Pending([_Labelled(work, "merge all-reduce")],
+                       lambda: self._joined(part, tensor.numel()).view_as(tensor), self._delivery(wire))
+
+    def _start_gather(self, tensors: list[torch.Tensor]) -> Pending[list[torch.Tensor]]:
+        if self._peers is None:
+            return Pending.done(list(tensors))
+        local = torch.stack(tensors)
+        part = self._slice(local)
+        wire = self._cross("all_gather", nbytes(part))
+        blocks = [torch.empty_like(part) for _ in range(self._layout.islands)]
+        with collective("merge all-gather"):
+            work = dist.all_gather(blocks, part, group=self._peers, async_op=True)
+
+        def finish() -> list[torch.Tensor]:
+            # Island i's block holds its workers' tensors, so the rows come in global worker order.
+            gathered = self._joined(torch.stack(blocks), local.numel())
+            return list(gathered.reshape(-1, *local.shape[1:]).unbind(0))
+
+        return Pending([_Labelled(work, "merge all-gather")], finish, self._delivery(wire))
+
+    def exchange(self, send: torch.Tensor, send_sizes: list[int], receive_sizes: list[int]) -> Pending[list[torch.Tensor]]:
+        received = torch.empty(sum(receive_sizes), dtype=send.dtype, device=send.device)
+        wire = self._cross("all_to_all", nbytes(send) - send_sizes[self.island] * send.element_size(),
+                           handed=nbytes(send))
+        with collective("compressed-sum all-to-all"):
+            work = dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=self._peers,
+                                          async_op=True)
+        return Pending([_Labelled(work, "compressed-sum all-to-all")],
+                       lambda: list(torch.split(received, receive_sizes)), self._delivery(wire))
+
+    def gather_peers(self, blob: torch.Tensor) -> Pending[list[torch.Tensor]]:
+        wire = self._cross("all_gather", nbytes(blob))
+        blocks = [torch.empty_like(blob) for _ in range(self._layout.islands)]
+        with collective("compressed-sum all-gather"):
+            work = dist.all_gather(blocks, blob, group=self._peers, async_op=True)
+        return Pending([_Labelled(work, "compressed-sum all-gather")], lambda: blocks, self._delivery(wire))
+
+    def join_island(self, part: torch.Tensor) -> Pending[list[torch.Tensor]]:
+        if self._slices == 1:
+            return Pending.done([part])
+        self.record("in_island", nbytes(part), wire_bytes("all_gather", nbytes(part), self._slices))
+        blocks = [torch.empty_like(part) for _ in range(self._slices)]
+        with collective("island all-gather"):
+            work = dist.all_gather(blocks, part, group=self._island, async_op=True)
+        return Pending([_Labelled(work, "island all-gather")], lambda: blocks)
+
+    def _slice(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This process's slice of `tensor` flattened (equal slices, the last zero-padded), so
+        that the island's all-gather can join them."""
+        flat = tensor.reshape(-1)
+        width = -(-flat.numel() // self._slices)
+        if self._slices > 1:
+            flat = torch.nn.functional.pad(flat, (0, width * self._slices - flat.numel()))
+        return flat[self._slot * width:(self._slot + 1) * width]
+
+    def _joined(self, exchanged: torch.Tensor, numel: int) -> torch.Tensor:
+        """The island's slices of a cross-island result joined over its fast link: shape
+        (..., numel), the leading dimensions being those the exchange added."""
+        if self._slices == 1:
+            return exchanged
+        self.record("in_island", nbytes(exchanged), wire_bytes("all_gather", nbytes(exchanged), self._slices))
+        blocks = [torch.empty_like(exchanged) for _ in range(self._slices)]
+        with collective("island all-gather"):
+            dist.all_gather(blocks, exchanged, group=self._island)
+        return torch.cat(blocks, dim=-1)[..., :numel]
+
+    def _cross(self, kind: str, size: int, handed: int | None = None) -> float:
+        """Count one collective of `kind` across islands sending `size` bytes (`handed` given
+        to it, by default `size`); returns its wire bytes."""
+        wire = wire_bytes(kind, size, self._layout.islands)
+        self.record("cross_island", size if handed is None else handed, wire)
+        return wire
+
+    def _delivery(self, wire: float) -> float:
+        """When an emulated slow link delivers a collective of `wire` bytes started now (0: no emulation)."""
+        return self._link.deliver_at(wire) if self._link is not None else 0.0
+
+    def shard_map_async(self, fn: Callable[[torch.Tensor], torch.Tensor],
+                        tensors: list[torch.Tensor]) -> Pending[list[torch.Tensor]]:
+        # Shared out inside the island only, over its fast link: across islands every island
+        # computes its own, so no result crosses the slow link. An island of one process has
+        # nobody to share with.
+        if self._island is None:
+            return Pending.done([fn(tensor) for tensor in tensors])
+        ranks = self._layout.island_ranks(self._layout.island)
+        owners = [ranks[owner] for owner in assign_owners([_orthogonalisation_cost(t) for t in tensors], len(ranks))]
+        results, handed = [], 0
+        for owner, tensor in zip(owners, tensors):
+            if owner == self._layout.rank:
+                result = fn(tensor)
+                assert result.shape == tensor.shape and result.dtype == tensor.dtype, \
+                    "shard_map needs a shape-keeping fn"
+                results.append(result.contiguous())
+                handed += nbytes(result)
+            else:
+                results.append(torch.empty_like(tensor))
+        # Every process joins every broadcast; the owner sends its results to the others.
+        self.record("in_island", handed, wire_bytes("broadcast", handed, len(ranks)), calls=len(results))
+        with collective("broadcast of orthogonalised matrices"):
+            works = [dist.broadcast(result, src=owner, group=self._island, async_op=True)
+                     for owner, result in zip(owners, results)]
+        return Pending([_Labelled(work, "broadcast of orthogonalised matrices") for work in works], lambda: results)
+
+
+class _Labelled:
+    """A torch.distributed `Work` whose failure says which collective it was (`collective`)."""
+
+    def __init__(self, work: Any, what: str) -> None:
+        self._work, self._what = work, what
+
+    def wait(self) -> None:
+        with collective(self._what):
+            self._work.wait()
