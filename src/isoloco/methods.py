@@ -9,6 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 _ISO_FAST = {"merge.ortho": "newton_schulz", "merge.scale": "rms"}
+# SparseLoCo as tplr-ai/templar deploys it: error feedback with decay in momentum's place, SGD at lr 1
+# (docs/fidelity.md); DiLoCo's inner lr, since its own is for other models.
+_SPARSELOCO = {"outer.transport": "sparseloco", "outer.optimizer": "sgd", "outer.lr": 1.0, "outer.momentum": 0.0,
+               "inner.lr": 0.00138}
 
 METHODS: dict[str, dict[str, Any]] = {
     # The reference's data-parallel baseline clips no gradients (only DiLoCo's inner steps clip).
@@ -35,10 +39,9 @@ METHODS: dict[str, dict[str, Any]] = {
                "outer.momentum": 0.6, "inner.lr": 0.00138},
     "isoloco_muon": {"inner.optimizer": "muon", "merge.rule": "iso_c", "outer.optimizer": "nesterov",
                      "outer.lr": 1.8, "outer.momentum": 0.8, "inner.lr": 0.00138},
-    # SparseLoCo as tplr-ai/templar deploys it: error feedback with decay in momentum's place, SGD at lr 1
-    # (docs/fidelity.md); DiLoCo's inner lr, since its own is for other models.
-    "sparseloco": {"merge.rule": "mean", "outer.transport": "sparseloco", "outer.optimizer": "sgd", "outer.lr": 1.0,
-                   "outer.momentum": 0.0, "inner.lr": 0.00138},
+    "sparseloco": {"merge.rule": "mean", **_SPARSELOCO},
+    # Its error feedback as momentum, with Iso-C on the mean it sends, and no Nesterov.
+    "sparseloco_isoc": {"merge.rule": "iso_c", **_SPARSELOCO},
 }
 
 for _values in METHODS.values():
