@@ -49,8 +49,10 @@ class ProcessGroup:
         self.slots: list = [None] * world_size
         self.barrier = threading.Barrier(world_size, timeout=60)
 
-    def communicators(self, workers_per_process: int) -> list["ThreadCommunicator"]:
-        return [ThreadCommunicator(self, rank, workers_per_process) for rank in range(self.world_size)]
+    def communicators(self, workers_per_process: int, slices: int = 1) -> list["ThreadCommunicator"]:
+        """One per simulated process: islands of `slices` consecutive processes, each island
+        holding `workers_per_process` workers (its processes are replicas that split its traffic)."""
+        return [ThreadCommunicator(self, rank, workers_per_process, slices) for rank in range(self.world_size)]
 
     def exchange(self, rank: int, item) -> list:
         self.slots[rank] = item
@@ -61,22 +63,24 @@ class ProcessGroup:
 
 
 class ThreadCommunicator(Communicator):
-    """One simulated process holding `workers_per_process` consecutive workers."""
+    """One simulated process of island rank // slices, carrying slice rank % slices of its
+    cross-island traffic; every process takes part in every exchange (they run in lockstep)."""
 
-    def __init__(self, group: ProcessGroup, rank: int, workers_per_process: int) -> None:
+    def __init__(self, group: ProcessGroup, rank: int, workers_per_process: int, slices: int = 1) -> None:
         super().__init__()
-        self.group, self.rank, self.workers_per_process = group, rank, workers_per_process
+        self.group, self.rank, self.workers_per_process, self.slices = group, rank, workers_per_process, slices
 
     @property
     def num_workers(self) -> int:
-        return self.group.world_size * self.workers_per_process
+        return self.islands * self.workers_per_process
 
     @property
     def local_worker_ids(self) -> list[int]:
-        start = self.rank * self.workers_per_process
+        start = self.island * self.workers_per_process
         return list(range(start, start + self.workers_per_process))
 
     def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        assert self.slices == 1, "float32 sums are simulated for islands of one process"
         parts = self.group.exchange(self.rank, tensor)
         total = parts[0].clone()
         for part in parts[1:]:
@@ -84,23 +88,65 @@ class ThreadCommunicator(Communicator):
         return total
 
     def _gather_across_processes(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        assert self.slices == 1, "float32 gathers are simulated for islands of one process"
         return [t for part in self.group.exchange(self.rank, list(tensors)) for t in part]
 
-    # Every simulated process is an island of its own: the compressed sum's collectives.
+    # The compressed sum's collectives: peers are the processes of the same slot in every island.
 
     @property
     def islands(self) -> int:
-        return self.group.world_size
+        return self.group.world_size // self.slices
 
     @property
     def island(self) -> int:
-        return self.rank
+        return self.rank // self.slices
+
+    @property
+    def island_slices(self) -> tuple[int, int]:
+        return self.slices, self.rank % self.slices
+
+    def _peers(self) -> list[int]:
+        return [island * self.slices + self.rank % self.slices for island in range(self.islands)]
 
     def exchange(self, send: torch.Tensor, send_sizes: list[int], receive_sizes: list[int]) -> Pending:
         everyone = self.group.exchange(self.rank, list(torch.split(send, send_sizes)))
-        received = [parts[self.rank].clone() for parts in everyone]
+        received = [everyone[peer][self.island].clone() for peer in self._peers()]
         assert [r.numel() for r in received] == receive_sizes
         return Pending.done(received)
 
     def gather_peers(self, blob: torch.Tensor) -> Pending:
-        return Pending.done([b.clone() for b in self.group.exchange(self.rank, blob)])
+        everyone = self.group.exchange(self.rank, blob)
+        return Pending.done([everyone[peer].clone() for peer in self._peers()])
+
+    def join_island(self, part: torch.Tensor) -> Pending:
+        everyone = self.group.exchange(self.rank, part)
+        return Pending.done([everyone[self.island * self.slices + slot].clone() for slot in range(self.slices)])
+
+
+def reference_sum(inputs: list[torch.Tensor], quantization, route: str,
+                  residuals: list[torch.Tensor] | None = None, arrived: list[int] | None = None) -> torch.Tensor:
+    """The compressed sum's semantics as a plain loop, written apart from the sync layer: each
+    island's input rounded through the codec, added in island order, and on the exchange route
+    the total rounded again. With `residuals` (one per island, updated in place) an island that
+    arrived (all, unless `arrived` names them) sends x_i + e_i and keeps what its rounding lost;
+    and island p keeps what the re-encoding of chunk p (whole groups, `shard_ranges` over the P
+    islands) lost, whether it arrived or not."""
+    from isoloco.sync.codec import dequantize, quantize, shard_ranges
+
+    total = None
+    for index, x in enumerate(inputs):
+        feeds = residuals is not None and (arrived is None or index in arrived)
+        sent = residuals[index].add_(x) if feeds else x
+        decoded = dequantize(quantize(sent, quantization))
+        if feeds:
+            residuals[index].sub_(decoded)
+        total = decoded.clone() if total is None else total.add_(decoded)
+    if route == "gather":
+        return total
+    delivered = dequantize(quantize(total, quantization))
+    if residuals is not None:
+        lost = (total - delivered).reshape(-1)
+        group = quantization.group_size(total.shape)
+        for owner, (start, stop) in enumerate(shard_ranges(total.numel(), group, len(inputs))):
+            residuals[owner].view(-1)[start:stop].add_(lost[start:stop])
+    return delivered

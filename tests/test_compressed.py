@@ -10,9 +10,9 @@ import torch
 from isoloco import merge
 from isoloco.comm import LocalCommunicator
 from isoloco.sync.codec import Quantization, dequantize, error_bound, quantize
-from isoloco.sync.compressed import choose_route, reference_sum, wire_bytes_per_process
+from isoloco.sync.compressed import choose_route, wire_bytes_per_process
 from isoloco.sync.cost import wire_bytes
-from helpers import ProcessGroup
+from helpers import ProcessGroup, reference_sum
 
 FORMATS = ["none", "bf16", "int8", "int4"]
 SHAPES = {"wide.weight": (10, 300), "tall.weight": (90, 8), "norm.weight": (8,)}

@@ -633,11 +633,15 @@ def test_emulated_link_seconds_and_bad_values():
     from isoloco.distributed import DistConfig
 
     link = DistConfig(emulate_link="0.1,20").link()
-    seconds = link.link.transfer_seconds
-    assert seconds(0) == 0.02 and seconds(1.25e6) == pytest.approx(0.02 + 0.1)  # 10 Mbit at 0.1 Gbit/s
+    # The cost model's latency steps: 2(P − 1) for an all-reduce, P − 1 for an all-gather.
+    seconds = link.link.collective_seconds
+    assert seconds("all_reduce", 0, 2) == pytest.approx(0.04)
+    assert seconds("all_gather", 1.25e6, 4) == pytest.approx(3 * 0.02 + 0.1)  # 10 Mbit at 0.1 Gbit/s
     # Collectives started together share the link: the second is delivered after the first.
-    first, second = link.deliver_at(1.25e6), link.deliver_at(1.25e6)
-    assert second - first == pytest.approx(0.12)
+    first, second = link.deliver_at("all_reduce", 1.25e6, 2), link.deliver_at("all_to_all", 1.25e6, 3)
+    assert second - first == pytest.approx(0.1 + 2 * 0.02)
+    # The planning tables charge what the emulation charges.
+    assert link.link.seconds("all_reduce", 1.25e6, 2) == pytest.approx(seconds("all_reduce", 1.25e6, 2))
     assert DistConfig().link() is None
     for bad in ("fast", "0,20", "1", "1,-5", "1,2,3"):
         with pytest.raises(ConfigError, match="dist.emulate_link"):

@@ -239,6 +239,26 @@ def test_a_carried_delta_joins_the_next_merge_down_weighted(tmp_path):
             if "workers_merged" in m] == [3, 4]
 
 
+def test_a_delta_carried_two_rounds_is_down_weighted_once_per_round_it_waited(tmp_path):
+    """Late in rounds 0 and 1, on time in round 2: its round-0 delta joins at w², its round-1 delta at w."""
+    seed = seed_where(0.4, lambda late: sum(late[0]) == 1 and late[1] == late[0] and not any(late[2]), rounds=3)
+    late = next(w for w in range(4) if FaultsConfig(late_rate=0.4).is_late(seed, 0, w))
+    store = {}
+    overrides = {"seed": seed, "faults.late_rate": 0.4, "faults.late": "carry", "faults.stale_weight": 0.25,
+                 "steps": 9, "eval_every": 9, **PLAIN_OUTER}
+    trainer = train(tmp_path, "carry-twice", [capture_deltas(store)], **overrides)
+    initial = Trainer(trainer.cfg, tmp_path / "unused", progress=False).global_params
+    arrived = [w for w in range(4) if w != late]
+    for i, (before, after) in enumerate(zip(initial, trainer.global_params)):
+        round0 = sum(store[(0, w)][i] for w in arrived) / 3
+        round1 = sum(store[(3, w)][i] for w in arrived) / 3
+        carried = 0.25 ** 2 * store[(0, late)][i] + 0.25 * store[(3, late)][i]
+        round2 = (sum(store[(6, w)][i] for w in range(4)) + carried) / 4
+        torch.testing.assert_close(after, before - round0 - round1 - round2, rtol=1e-5, atol=1e-6)
+    assert [m["workers_merged"] for m in read_metrics(trainer.out_dir / "metrics.jsonl")
+            if "workers_merged" in m] == [3, 3, 4]
+
+
 def test_a_round_nobody_arrives_in_leaves_the_model_unchanged(tmp_path, caplog):
     seed = seed_where(0.9, lambda late: all(late[0]), rounds=1, workers=2)
     with caplog.at_level(logging.WARNING, logger="isoloco"):

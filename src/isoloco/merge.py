@@ -35,6 +35,7 @@ import dataclasses
 import fnmatch
 import itertools
 import math
+from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -45,13 +46,15 @@ from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.ortho import (FACTOR_METHODS, FINDER_DTYPES, NS_DTYPES, POLAR_METHODS, SCALE_METHODS, FactorSettings,
                            IsoSettings, iso_correct_in_span, spectrum_knob_problem)
 from isoloco.rules import RULES, Knobs, Phase, WorkerSlot, mask_key, mean_phases
-from isoloco.sync.codec import FORMATS, SCALE_GROUPS, Quantization, carry_refusal, shard_ranges, wire_nbytes
-from isoloco.sync.compressed import choose_route, distributed_sum, join_slices, reference_sum, wire_bytes_per_process
+from isoloco.sync.codec import FORMATS, SCALE_GROUPS, Quantization, carry_refusal, wire_nbytes
+from isoloco.sync.compressed import wire_bytes_per_process
 from isoloco.sync.cost import wire_bytes
 from isoloco.sync.handles import Pending, Steps, Sync, lockstep, padded, run_to_end
-from isoloco.sync.lowrank import factor_rank, initial_factor, lowrank_sum
+from isoloco.sync.islands import CommLink, IslandLink, PlayedIslands
+from isoloco.sync.lowrank import factor_rank, initial_factor
+from isoloco.sync.phase import Compression, Island, island_phase
 from isoloco.sync.plan import buckets
-from isoloco.sync.topk import MAX_CHUNK, TopK, topk_sum
+from isoloco.sync.topk import MAX_CHUNK, TopK
 
 Fetch = Callable[[torch.Tensor], torch.Tensor]
 
@@ -192,6 +195,11 @@ class MergeConfig:
         return Quantization(self.quantize, self.quantize_scales, self.quantize_block)
 
     @property
+    def compression(self) -> Compression:
+        """How a sum phase crosses the slow link."""
+        return Compression(self.quantization, self.compress, self.topk, self.error_feedback)
+
+    @property
     def knobs(self) -> Knobs:
         """The settings the rules read."""
         return Knobs(self.density, self.drop_rate, self.common_fraction, self.iso,
@@ -243,11 +251,6 @@ class Participation:
 
 
 # ------------------------------------------------------------------------------- helpers
-
-
-def structured_sum(cfg: MergeConfig, shape: Sequence[int]) -> bool:
-    """Whether a sum of `shape` travels through merge.compress (matrices only; vectors stay whole)."""
-    return cfg.compress != "none" and len(shape) == 2
 
 
 def _first_non_finite(deltas: list[list[torch.Tensor]]) -> tuple[int, int] | None:
@@ -322,7 +325,9 @@ class Merger:
         self.cfg = cfg
         self.comm = comm
         self.seed = seed
-        self._knobs = cfg.knobs
+        #: How many workers' factors took each `ortho.FACTOR_PATHS` path (TSV, Iso-CTS) since it was last cleared.
+        self.factor_paths: Counter = Counter()
+        self._knobs = dataclasses.replace(cfg.knobs, factor_paths=self.factor_paths)
         self._rule = RULES[cfg.rule]
         #: merge.compress=lowrank: each matrix's Q, by parameter name (`isoloco.sync.lowrank`).
         self.factors: dict[str, torch.Tensor] = {}
@@ -354,10 +359,12 @@ class Merger:
         limit = int(self.cfg.bucket_mb * 2**20)
         plan = [[jobs[i] for i in bucket]
                 for bucket in buckets([(nbytes(job.deltas[0]), job.deltas[0].dtype) for job in jobs], limit)]
+        round_ = _Round(round, fetch, scales)
+        self._refuse_non_finite(plan, round_)
         stages = self._stages(plan)
         finalizing = any(job.finalize is not None for job in jobs)
-        steps = self._steps(jobs, plan, stages, _Round(round, fetch, scales), limit if finalizing else None)
-        return Sync(steps, sum(self._yields(kind) for _, kind in stages) + finalizing)
+        steps = self._steps(jobs, plan, stages, round_, limit if finalizing else None)
+        return Sync(steps, sum(count for _, _, count in stages) + finalizing)
 
     def merge_all(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None = None,
                   fetch: Fetch | None = None,
@@ -387,7 +394,7 @@ class Merger:
     def _sent_bytes(self, shape: tuple[int, ...]) -> int:
         """Bytes one island hands to the slow link for a sum of `shape` (before the route's fan-out)."""
         quantization, numel = self.cfg.quantization, math.prod(shape)
-        if not structured_sum(self.cfg, shape):
+        if not self.cfg.compression.structured(shape):
             return wire_nbytes(numel, quantization, quantization.group_size(shape))
         if self.cfg.compress == "topk":
             return self.cfg.topk.nbytes(numel, quantization)
@@ -395,42 +402,59 @@ class Merger:
         return sum(wire_nbytes(side * rank, quantization, quantization.group_size((side, rank))) for side in shape)
 
     @property
-    def _simulated_islands(self) -> bool:
+    def _played(self) -> bool:
         """Whether every worker lives here, so the simulator plays each one as an island of its own."""
         return self.comm.islands == 1 and len(self.comm.local_worker_ids) == self.comm.num_workers
 
-    def _yields(self, kind: str) -> int:
-        """How many times a stage of `kind` waits for collectives."""
-        if kind != "sum" or not self._compressed:
-            return 1
-        if self._simulated_islands:
-            return 0
-        slices = self.comm.island_slices[0]
-        dense = (1 if choose_route(self.comm.islands) == "gather" else 2) + (slices > 1)
-        # Low rank sums twice (P, then Q); top-k gathers once, in no more stages than a dense sum.
-        return 2 * dense if self.cfg.compress == "lowrank" else dense
+    def _links(self) -> tuple[list[IslandLink], list[list[int]]]:
+        """The islands this process plays and their workers (local indices): every worker an
+        island (the simulator), or this process's island."""
+        if self._played:
+            return PlayedIslands(self.comm.num_workers).links, [[index] for index in range(self.comm.num_workers)]
+        if self.comm.islands == 1:
+            raise ConfigError(f"{self.cfg.lossy_setting} needs isoloco's own process groups: "
+                              f"{type(self.comm).__name__} carries float32 sums only; use "
+                              f"{self.cfg.lossy_setting.split('=')[0]}=none")
+        return [CommLink(self.comm)], [list(range(len(self.comm.local_worker_ids)))]
 
-    @staticmethod
-    def _stages(plan: list[list[_Job]]) -> list[tuple[int, str]]:
-        """(phase, collective) of every stage, in order: sums before gathers within a phase."""
+    def _stages(self, plan: list[list[_Job]]) -> list[tuple[int, str, int]]:
+        """(phase, collective, yields) of every stage, in order: sums before gathers within a
+        phase; a compressed sum waits as often as its longest bucket's islands do."""
         depth = max((len(job.phases) for bucket in plan for job in bucket), default=0)
-        return [(phase, kind) for phase in range(depth) for kind in ("sum", "gather")
-                if any(len(job.phases) > phase and job.phases[phase].collective == kind
-                       for bucket in plan for job in bucket)]
+        stages = []
+        for phase in range(depth):
+            for kind in ("sum", "gather"):
+                parts = [[job for job in bucket if len(job.phases) > phase and job.phases[phase].collective == kind]
+                         for bucket in plan]
+                parts = [part for part in parts if part]
+                if not parts:
+                    continue
+                yields = 1
+                if kind == "sum" and self._compressed:
+                    islands, slices = ((self.comm.num_workers, 1) if self._played
+                                       else (self.comm.islands, self.comm.island_slices[0]))
+                    yields = max(self.cfg.compression.stages([job.phases[phase].shape for job in part], islands,
+                                                             slices) for part in parts)
+                stages.append((phase, kind, yields))
+        return stages
 
-    def _steps(self, jobs: list[_Job], plan: list[list[_Job]], stages: list[tuple[int, str]], round: _Round,
-               finalize_limit: int | None) -> Steps[dict[str, torch.Tensor]]:
+    def _refuse_non_finite(self, plan: list[list[_Job]], round: _Round) -> None:
+        """Raise before anything is sent when an arrived local worker's delta is not finite:
+        one device sync per bucket, before the first stage, so no stage converts a tensor."""
         arrived = [index for index, worker in enumerate(self.comm.local_worker_ids) if round.scale(worker) is not None]
         for bucket in plan:
             bad = _first_non_finite([[job.deltas[index] for index in arrived] for job in bucket]) if arrived else None
             if bad is not None:
                 _raise_non_finite(bucket[bad[0]].name, self.comm.local_worker_ids[arrived[bad[1]]], round.number)
-        for phase, kind in stages:
+
+    def _steps(self, jobs: list[_Job], plan: list[list[_Job]], stages: list[tuple[int, str, int]], round: _Round,
+               finalize_limit: int | None) -> Steps[dict[str, torch.Tensor]]:
+        for phase, kind, yields in stages:
             parts = [[job for job in bucket if len(job.phases) > phase and job.phases[phase].collective == kind]
                      for bucket in plan]
             parts = [part for part in parts if part]
             if kind == "sum" and self._compressed:
-                yield from lockstep([self._compressed_sum(part, phase, round) for part in parts])
+                yield from padded(lockstep([self._compressed_sum(part, phase, round) for part in parts]), yields)
             else:
                 started = [self._start_phase(part, phase, kind, round) for part in parts]
                 yield [handle for handle, _ in started]
@@ -465,45 +489,46 @@ class Merger:
                              memos=[{} for _ in workers], in_span=in_span))
         return jobs
 
-    def _contributions(self, jobs: list[_Job], phase: int, round: _Round, each: bool) -> dict[int | None, torch.Tensor]:
-        """The contributions to phase `phase` of `jobs` of the local workers that arrived, laid
-        end to end: one buffer per worker, by global id (`each`), or their sum in worker order
-        (key None); empty when none of this process's workers arrived."""
+    def _contribution(self, jobs: list[_Job], phase: int, round: _Round, workers: Sequence[int]
+                      ) -> torch.Tensor | None:
+        """The contributions to phase `phase` of `jobs` of the local workers `workers` (local
+        indices) that arrived, added up in worker order and laid end to end; None when none arrived."""
         sizes = [math.prod(job.phases[phase].shape) for job in jobs]
         offsets = [0, *itertools.accumulate(sizes)][:-1]
-        buffers: dict[int | None, torch.Tensor] = {}
-        for index, worker in enumerate(self.comm.local_worker_ids):
+        buffer = None
+        for index in workers:
+            worker = self.comm.local_worker_ids[index]
             scale = round.scale(worker)
             if scale is None:  # it did not arrive: it contributes nothing
                 continue
-            key = worker if each else None
-            first = key not in buffers
+            first = buffer is None
             for job, offset, size in zip(jobs, offsets, sizes):
                 delta = round.fetched(job.deltas[index])
                 if scale != 1:
                     delta = delta * scale
-                if key not in buffers:  # allocated where the deltas are fetched to
-                    buffers[key] = torch.empty(sum(sizes), dtype=delta.dtype, device=delta.device)
-                target = buffers[key][offset:offset + size].view(job.phases[phase].shape)
+                if buffer is None:  # allocated where the deltas are fetched to
+                    buffer = torch.empty(sum(sizes), dtype=delta.dtype, device=delta.device)
+                target = buffer[offset:offset + size].view(job.phases[phase].shape)
                 slot = WorkerSlot(worker, first, mask_key(self.seed, worker, round.number or 0, job.name),
                                   job.memos[index], scale)
                 job.phases[phase].contribute(target, delta, slot, job.state)
                 del delta  # the fetched copy goes before the next one comes
-        return buffers
+        return buffer
 
     def _start_phase(self, jobs: list[_Job], phase: int, collective: str, round: _Round) -> tuple[Pending, list[int]]:
         """Start phase `phase` of `jobs`: one collective for all; returns its handle and the
         offsets of the jobs in its buffer. Workers that did not arrive send zeros (the
         collective's shapes are the same on every process) and are left out by `_combine`."""
-        buffers = self._contributions(jobs, phase, round, each=collective == "gather")
         sizes = [math.prod(job.phases[phase].shape) for job in jobs]
         offsets = [0, *itertools.accumulate(sizes)][:-1]
+        workers = range(len(self.comm.local_worker_ids))
         if collective == "sum":
-            handle = self.comm.sum_async(buffers[None] if buffers else self._zeros(jobs, sum(sizes), round))
+            buffer = self._contribution(jobs, phase, round, workers)
+            handle = self.comm.sum_async(buffer if buffer is not None else self._zeros(jobs, sum(sizes), round))
         else:
-            handle = self.comm.gather_async([buffers[worker] if worker in buffers else
-                                             self._zeros(jobs, sum(sizes), round)
-                                             for worker in self.comm.local_worker_ids])
+            buffers = [self._contribution(jobs, phase, round, [index]) for index in workers]
+            handle = self.comm.gather_async([buffer if buffer is not None else self._zeros(jobs, sum(sizes), round)
+                                             for buffer in buffers])
         return handle, offsets
 
     @staticmethod
@@ -528,123 +553,47 @@ class Merger:
                 job.state = job.phases[phase].combine(stacked, job.state)
 
     def _compressed_sum(self, jobs: list[_Job], phase: int, round: _Round) -> Steps[None]:
-        """A sum phase of `jobs` that crosses the link compressed (`isoloco.sync.compressed`;
-        matrices through `isoloco.sync.lowrank` or `isoloco.sync.topk` with merge.compress).
-        The simulator plays every worker as an island; a process of a distributed run is (a
-        slice of) one island, whose workers' contributions are added up first."""
-        quantization = self.cfg.quantization
+        """A sum phase of `jobs` that crosses the link compressed (`isoloco.sync.phase`): every
+        island this process plays runs the same steps, in lockstep, and all end with the same
+        sums. An island is this process's workers, or in the simulator each worker."""
         shapes = [job.phases[phase].shape for job in jobs]
         self.comm.bytes_sent_per_worker += sum(self._sent_bytes(shape) for shape in shapes)
-        stored = [job.residuals for job in jobs] if jobs[0].residuals is not None else None
-        structured = [index for index, shape in enumerate(shapes) if structured_sum(self.cfg, shape)]
-        dense = [index for index in range(len(jobs)) if index not in structured]
-        if self._simulated_islands:
-            # Every worker that arrived is an island; the others' residuals wait for their next merge.
-            buffers = self._contributions(jobs, phase, round, each=True)
-            arrived = [index for index, worker in enumerate(self.comm.local_worker_ids) if worker in buffers]
-            route = choose_route(len(buffers))
-            sizes = [math.prod(shape) for shape in shapes]
-            islands = [[part.view(shape) for part, shape in zip(torch.split(buffer, sizes), shapes)]
-                       for buffer in buffers.values()]
-            kept = None if stored is None else [[stored[index][i] for index in range(len(jobs))] for i in arrived]
-            residuals = None if kept is None else [[round.fetched(r) for r in island] for island in kept]
-            totals: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-            for index in dense:
-                totals[index] = reference_sum([island[index] for island in islands], quantization, route,
-                                              None if residuals is None else [island[index] for island in residuals]
-                                              ), None
-            if structured:
-                totals.update(zip(structured, run_to_end(self._structured_sum(
-                    [[island[index] for index in structured] for island in islands],
-                    [jobs[index].name for index in structured],
-                    None if residuals is None else [[island[index] for index in structured] for island in residuals],
-                    simulated=route))))
-            if residuals is not None:
-                for kept_island, island in zip(kept, residuals):
-                    for kept_residual, residual in zip(kept_island, island):
-                        if kept_residual is not residual:
-                            kept_residual.copy_(residual)
-            self._land(jobs, phase, totals)
-            return
-        if self.comm.islands == 1:
-            raise ConfigError(f"{self.cfg.lossy_setting} needs isoloco's own process groups: "
-                              f"{type(self.comm).__name__} carries float32 sums only; use "
-                              f"{self.cfg.lossy_setting.split('=')[0]}=none")
-        sizes = [math.prod(shape) for shape in shapes]
-        buffers = self._contributions(jobs, phase, round, each=False)
-        buffer = buffers[None] if buffers else self._zeros(jobs, sum(sizes), round)
-        inputs = [part.view(shape) for part, shape in zip(torch.split(buffer, sizes), shapes)]
-        # The island's residual lives with its first worker (the others' stay zero); an island
-        # none of whose workers arrived sends zeros and keeps its residual for its next merge,
-        # as the simulator's islands do.
-        residuals = None if stored is None or not buffers else [round.fetched(r[0]) for r in stored]
-        parts = []
-        if dense:
-            parts.append(distributed_sum(self.comm, [inputs[index] for index in dense], quantization,
-                                         None if residuals is None else [residuals[index] for index in dense]))
-        if structured:
-            parts.append(self._structured_sum(
-                [[inputs[index] for index in structured]], [jobs[index].name for index in structured],
-                None if residuals is None else [[residuals[index] for index in structured]]))
-        stages = self._yields("sum")
-        results = yield from padded(lockstep([padded(part, stages) for part in parts]), stages)
-        if dense:
-            results[0] = [(total, None) for total in results[0]]
-        totals = dict(zip([*dense, *structured], [total for result in results for total in result]))
-        if residuals is not None:
-            for kept, residual in zip(stored, residuals):
-                if kept[0] is not residual:
-                    kept[0].copy_(residual)
-        self._land(jobs, phase, totals)
+        compression = self.cfg.compression
+        factors = {index: self._factor(job.name, shape, job.deltas[0].device)
+                   for index, (job, shape) in enumerate(zip(jobs, shapes))
+                   if compression.structured(shape) and compression.compress == "lowrank"}
+        links, groups = self._links()
+        arrived = [[index for index in group if round.scale(self.comm.local_worker_ids[index]) is not None]
+                   for group in groups]
+        size = sum(math.prod(shape) for shape in shapes)
+
+        def contribution(workers: list[int]) -> Callable[[], torch.Tensor]:
+            def build() -> torch.Tensor:
+                buffer = self._contribution(jobs, phase, round, workers)
+                return buffer if buffer is not None else self._zeros(jobs, size, round)
+            return build
+
+        islands = [Island(contribution(group), bool(came),
+                          None if jobs[0].residuals is None else [job.residuals[group[0]] for job in jobs],
+                          round.fetched, keep_inputs=len(links) == 1)
+                   for group, came in zip(groups, arrived)]
+        results = yield from lockstep([island_phase(link, island, shapes, compression, factors)
+                                       for link, island in zip(links, islands)])
+        self._land(jobs, phase, results[0])
 
     def _land(self, jobs: list[_Job], phase: int, totals: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]]
               ) -> None:
-        """Combine each job's compressed sum (`totals[index]`: the sum and, from low rank, its
-        factors' basis P̂), finalizing in the factors' span the jobs that ask for it."""
+        """Combine each job's compressed sum (`totals[index]`: the sum and None, or low rank's
+        Q' and P̂, whose product is the sum), finalizing in the factors' span the jobs that ask for it."""
         for index, job in enumerate(jobs):
             total, basis = totals[index]
-            job.state = job.phases[phase].combine(total.to(job.deltas[0].dtype), job.state)
+            shape = job.phases[phase].shape
+            if basis is not None:
+                self.factors[job.name] = total
+                total = basis @ total.T
+            job.state = job.phases[phase].combine(total.view(shape).to(job.deltas[0].dtype), job.state)
             if job.in_span:
                 job.state = iso_correct_in_span(job.state, basis, self._knobs.iso)
-
-    def _structured_sum(self, islands: list[list[torch.Tensor]], names: list[str],
-                        residuals: list[list[torch.Tensor]] | None,
-                        simulated: str | None = None) -> Steps[list[tuple[torch.Tensor, torch.Tensor | None]]]:
-        """merge.compress's sums of the matrices `names`: `islands[i][t]` is island i's matrix t
-        (every island with `simulated`, the route the simulator's sums take; else this
-        process's island), `residuals` like it. Returns each sum with its basis P̂ (low rank;
-        None for top-k)."""
-        quantization, comm = self.cfg.quantization, self.comm
-        shapes = [x.shape for x in islands[0]]
-        if self.cfg.compress == "lowrank":
-            def summed(parts: list[list[torch.Tensor]]) -> Steps[list[torch.Tensor]]:
-                if simulated is None:
-                    return (yield from distributed_sum(comm, parts[0], quantization))
-                return [reference_sum([island[t] for island in parts], quantization, simulated)
-                        for t in range(len(parts[0]))]
-
-            factors = [self._factor(name, shape, x.device) for name, shape, x in zip(names, shapes, islands[0])]
-            totals, warm, bases = yield from lowrank_sum(islands, factors, quantization, summed, residuals)
-            self.factors.update(zip(names, warm))
-            return list(zip(totals, bases))
-        spec = self.cfg.topk
-        slices, slot = (1, 0) if simulated is not None else comm.island_slices
-
-        def chunks(numel: int, carrier: int = slot) -> tuple[int, int]:
-            return shard_ranges(spec.layout(numel)[1], 1, slices)[carrier]
-
-        def gathered(blobs: list[torch.Tensor]) -> Steps[list[torch.Tensor]]:
-            if simulated is not None:
-                return blobs
-            handle = comm.gather_peers(blobs[0])
-            yield [handle]
-            return handle.wait()
-
-        mine = yield from topk_sum(islands, spec, quantization, gathered, chunks, residuals)
-        lengths = [[spec.entries(math.prod(shape), *chunks(math.prod(shape), carrier)) for shape in shapes]
-                   for carrier in range(slices)]
-        whole = yield from join_slices(comm, mine, lengths)
-        return [(flat.view(shape), None) for flat, shape in zip(whole, shapes)]
 
     def _factor(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
         """Matrix `name`'s warm-start Q: last round's, or the seeded first one."""
@@ -691,8 +640,8 @@ def wire_bytes_per_merge(shapes: Sequence[torch.Size], cfg: MergeConfig, islands
         if cfg.lossy_setting is None:
             total += wire_bytes("all_reduce", 4 * sum(math.prod(shape) for shape in chosen), islands)
             continue
-        structured = [shape for shape in chosen if structured_sum(cfg, shape)]
-        dense = [torch.Size(shape) for shape in chosen if not structured_sum(cfg, shape)]
+        structured = [shape for shape in chosen if cfg.compression.structured(shape)]
+        dense = [torch.Size(shape) for shape in chosen if not cfg.compression.structured(shape)]
         if dense:
             total += wire_bytes_per_process(dense, quantization, islands)
         if cfg.compress == "lowrank" and structured:

@@ -135,6 +135,25 @@ class Wire:
         collective. Scales come first so both parts start at an offset their dtype can be viewed at."""
         return torch.cat([self.scales.view(torch.uint8), self.payload.view(torch.uint8)])
 
+    def slice(self, start: int, stop: int) -> Wire:
+        """Entries [start, stop) of the flattened tensor as a wire of their own, without
+        quantising again: `start` must begin a scale group (a shard of whole groups), so the
+        slice decodes to exactly those entries of the whole. Views where the bytes line up."""
+        if (start % self.group_size and start != self.numel) or not 0 <= start <= stop <= self.numel:
+            raise ValueError(f"a slice [{start}, {stop}) of a wire of {self.numel} entries must start a group of "
+                             f"{self.group_size}")
+        shape = torch.Size((stop - start,))
+        scales = self.scales[-(-start // self.group_size):-(-stop // self.group_size)] if self.scales.numel() else \
+            self.scales
+        if self.quantize != "int4":
+            return Wire(self.quantize, self.payload[start:stop], scales, shape, self.group_size)
+        if start % 2:  # the slice starts mid-byte: its nibbles are packed again
+            return Wire("int4", _pack_int4(_unpack_int4(self.payload, stop)[start:]), scales, shape, self.group_size)
+        payload = self.payload[start // 2:-(-stop // 2)]
+        if stop % 2 and stop < self.numel:  # its last byte's high nibble is the next entry's: pad it as an odd end
+            payload = torch.cat([payload[:-1], (payload[-1:] & 0x0F) | (_INT4_OFFSET << 4)])
+        return Wire("int4", payload, scales, shape, self.group_size)
+
     @classmethod
     def from_bytes(cls, buffer: torch.Tensor, quantization: Quantization, shape: torch.Size | tuple[int, ...],
                    group_size: int | None = None) -> Wire:
@@ -176,13 +195,15 @@ def _refuse_non_finite(found: torch.Tensor, shape: torch.Size, group_size: int =
                                  f"it is sent")
 
 
-def quantize(tensor: torch.Tensor, quantization: Quantization, group_size: int | None = None) -> Wire:
+def quantize(tensor: torch.Tensor, quantization: Quantization, group_size: int | None = None,
+             check: bool = True) -> Wire:
     """`tensor` (float32, any shape, on any device) as it is sent under `quantization`.
 
     `group_size` (entries per scale) defaults to `quantization.group_size(tensor.shape)`; pass
     it for a flat slice of a larger tensor, such as a shard, so its groups stay those of the
-    whole. Raises `FloatingPointError` when the tensor holds NaN or inf (or, for ``bf16``, an
-    entry beyond bfloat16's range), so nothing non-finite is sent.
+    whole. With `check`, raises `FloatingPointError` when the tensor holds NaN or inf (or, for
+    ``bf16``, an entry beyond bfloat16's range), so nothing non-finite is sent; that costs a
+    device sync, so the sync layer checks a bucket's deltas once instead and passes False.
     """
     if tensor.dtype != torch.float32:
         raise TypeError(f"quantize takes float32 tensors, got {tensor.dtype}")
@@ -190,43 +211,55 @@ def quantize(tensor: torch.Tensor, quantization: Quantization, group_size: int |
     flat = tensor.reshape(-1)
     empty = torch.empty(0, dtype=torch.float32, device=tensor.device)
     if quantization.quantize == "none":
-        _refuse_non_finite(flat, tensor.shape)
+        if check:
+            _refuse_non_finite(flat, tensor.shape)
         # A copy: a wire owns its bytes, so changing the tensor later (a residual) leaves it alone.
         return Wire("none", flat.clone(), empty, tensor.shape, group)
     if quantization.quantize == "bf16":
         payload = flat.to(torch.bfloat16)
-        # Checking the rounded values also catches float32 entries that overflow bfloat16.
-        _refuse_non_finite(payload, tensor.shape)
+        if check:  # checking the rounded values also catches float32 entries that overflow bfloat16
+            _refuse_non_finite(payload, tensor.shape)
         return Wire("bf16", payload, empty, tensor.shape, group)
 
     qmax = QMAX[quantization.quantize]
     grouped = _grouped(flat, group)
-    # amax propagates NaN, so a non-finite entry shows in its group's scale: one small check.
-    scales = grouped.abs().amax(dim=1) / qmax
-    _refuse_non_finite(scales, tensor.shape, group)
+    # amin and amax propagate NaN, so a non-finite entry shows in its group's scale: one small
+    # check. Both extremes instead of abs().amax(): no temporary the size of the tensor.
+    low, high = grouped.aminmax(dim=1)
+    scales = torch.maximum(high, low.neg_()) / qmax
+    if check:
+        _refuse_non_finite(scales, tensor.shape, group)
     # An all-zero group has scale 0: divide it by 1 instead, so its codes are 0 and decode to 0.
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
     # The clamp only matters for a subnormal scale, whose rounding can push |x / scale| past qmax.
-    codes = torch.round(grouped / divisor[:, None]).clamp_(-qmax, qmax).to(torch.int8).reshape(-1)[:flat.numel()]
+    codes = (grouped / divisor[:, None]).round_().clamp_(-qmax, qmax).to(torch.int8).reshape(-1)[:flat.numel()]
     if quantization.quantize == "int8":
         return Wire("int8", codes.view(torch.uint8), scales, tensor.shape, group)
+    return Wire("int4", _pack_int4(codes), scales, tensor.shape, group)
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-7, 7] as nibbles, two per byte (an odd count padded with the zero nibble)."""
     nibbles = (codes + _INT4_OFFSET).to(torch.uint8)
     if nibbles.numel() % 2:
         nibbles = F.pad(nibbles, (0, 1), value=_INT4_OFFSET)
-    return Wire("int4", nibbles[0::2] | (nibbles[1::2] << 4), scales, tensor.shape, group)
+    return nibbles[0::2] | (nibbles[1::2] << 4)
+
+
+def _unpack_int4(payload: torch.Tensor, numel: int) -> torch.Tensor:
+    """The int8 codes of `numel` entries packed by `_pack_int4`."""
+    nibbles = torch.stack([payload & 0x0F, payload >> 4], dim=1).reshape(-1)[:numel]
+    return nibbles.to(torch.int8) - _INT4_OFFSET
 
 
 def dequantize(wire: Wire) -> torch.Tensor:
     """The float32 tensor a receiver decodes from `wire`, of the shape sent."""
     if wire.quantize in ("none", "bf16"):
         return wire.payload.to(torch.float32).reshape(wire.shape)
-    if wire.quantize == "int8":
-        codes = wire.payload.view(torch.int8)
-    else:
-        nibbles = torch.stack([wire.payload & 0x0F, wire.payload >> 4], dim=1).reshape(-1)[:wire.numel]
-        codes = nibbles.to(torch.int8) - _INT4_OFFSET
-    grouped = _grouped(codes.to(torch.float32), wire.group_size)
-    return (grouped * wire.scales[:, None]).reshape(-1)[:wire.numel].reshape(wire.shape)
+    codes = wire.payload.view(torch.int8) if wire.quantize == "int8" else _unpack_int4(wire.payload, wire.numel)
+    # In place on the fresh float32 codes: one tensor of the wire's size, not two.
+    grouped = _grouped(codes.to(torch.float32), wire.group_size).mul_(wire.scales[:, None])
+    return grouped.reshape(-1)[:wire.numel].reshape(wire.shape)
 
 
 def error_bound(wire: Wire, sent: torch.Tensor) -> torch.Tensor:
@@ -255,19 +288,6 @@ def compress_with_feedback(delta: torch.Tensor, residual: torch.Tensor | None,
     wire = quantize(residual, quantization)
     residual.sub_(dequantize(wire))
     return wire, residual
-
-
-def fold_residuals(islands: list[list[torch.Tensor]], residuals: list[list[torch.Tensor]] | None
-                   ) -> list[list[torch.Tensor]]:
-    """Error feedback's first half for structured compressors: island i sends x_i + e_i, so each
-    e_i takes x_i in place and the residuals are what is compressed (the compressor then
-    subtracts what it sent). Without `residuals`, the islands' tensors as they are."""
-    if residuals is None:
-        return islands
-    for island, kept in zip(islands, residuals):
-        for x, residual in zip(island, kept):
-            residual.add_(x)
-    return residuals
 
 
 def aligned(size: int) -> int:

@@ -35,17 +35,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from isoloco.sync.codec import Quantization, Wire, aligned, dequantize, pad_aligned, quantize, shard_ranges, wire_nbytes
 from isoloco.sync.cost import wire_bytes
-from isoloco.sync.handles import Steps
-
-if TYPE_CHECKING:
-    from isoloco.comm import Communicator
+from isoloco.sync.handles import Pending, Steps
+from isoloco.sync.islands import IslandLink, PlaceFold, SumFold
 
 ROUTES = ("gather", "exchange")
 
@@ -80,6 +78,11 @@ class ChunkPlan:
         """Entry ranges of the P·G chunks of tensor `tensor`."""
         return shard_ranges(self.numels[tensor], self.groups[tensor], self.islands * self.slices)
 
+    def length(self, tensor: int, chunk: int) -> int:
+        """Entries of chunk `chunk` of tensor `tensor`."""
+        start, stop = self.ranges(tensor)[chunk]
+        return stop - start
+
     def blob_size(self, chunk: int) -> int:
         """Bytes of chunk `chunk` of every tensor, encoded and laid end to end."""
         return sum(aligned(wire_nbytes(stop - start, self.quantization, group))
@@ -106,100 +109,122 @@ def wire_bytes_per_process(shapes: Sequence[torch.Size], quantization: Quantizat
     return sum(sum(plan.sent_bytes(route, slot).values()) for slot in range(slices)) / slices
 
 
-def reference_sum(inputs: Sequence[torch.Tensor], quantization: Quantization, route: str,
-                  residuals: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-    """The compressed sum of one tensor over islands, in one process: `inputs[i]` is island
-    i's float32 sum. With `residuals` (one per island) each island sends x_i + e_i and e_i is
-    updated in place to what that lost. What every island of a distributed run ends with."""
-    total = None
-    for index, x in enumerate(inputs):
-        if residuals is not None:
-            residuals[index].add_(x)
-            x = residuals[index]
-        decoded = dequantize(quantize(x, quantization))
-        if residuals is not None:
-            residuals[index].sub_(decoded)
-        total = decoded if total is None else total.add_(decoded)
-    return dequantize(quantize(total, quantization)) if route == "exchange" else total
+
+def sum_stages(islands: int, slices: int) -> int:
+    """The stages (yields) of one compressed sum: one collective on the ``gather`` route, two on
+    the ``exchange`` route, and one more to join an island's slices (G > 1)."""
+    return (1 if choose_route(islands) == "gather" else 2) + (slices > 1)
 
 
-def distributed_sum(comm: Communicator, inputs: list[torch.Tensor], quantization: Quantization,
-                    residuals: list[torch.Tensor] | None = None) -> Steps[list[torch.Tensor]]:
-    """The compressed sum over the islands of `comm` of this island's tensors `inputs`
-    (float32; laid out as one bucket), as steps (see `isoloco.sync.handles`): every process of
-    the island passes the same inputs and gets the same sums back. `residuals` (one per input,
-    same shapes; every process of the island holds the same) are updated in place."""
-    islands, (slices, slot) = comm.islands, comm.island_slices
-    route = choose_route(islands)
-    plan = ChunkPlan.of([x.shape for x in inputs], quantization, islands, slices)
-    first = slot * islands
-    flats = [x.reshape(-1) for x in inputs]
-    if residuals is not None:
-        for flat, residual in zip(flats, residuals):
-            residual.add_(flat.view_as(residual))
-        flats = [residual.reshape(-1) for residual in residuals]
-    blobs = []
-    for chunk in range(islands * slices):
-        parts = []
-        for tensor, flat in enumerate(flats):
-            start, stop = plan.ranges(tensor)[chunk]
-            wire = quantize(flat[start:stop], quantization, plan.groups[tensor])
-            if residuals is not None:  # every process of the island keeps the whole residual
-                flat[start:stop].sub_(dequantize(wire))
-            if first <= chunk < first + islands:
-                raw = wire.as_bytes()
-                parts.append(pad_aligned(raw))
-        if parts:
-            blobs.append(torch.cat(parts))
+@dataclasses.dataclass(frozen=True)
+class Rounding:
+    """What the owner's re-encoding of chunk [start, stop) of tensor `tensor` lost (``exchange``):
+    with error feedback the owner's island keeps it, so nothing is lost for good."""
+
+    tensor: int
+    start: int
+    stop: int
+    error: torch.Tensor
+
+
+#: Receives tensor t's decoded wire (what this island's encode delivered), right after encoding it.
+Keep = Callable[[int, torch.Tensor], None]
+
+
+def island_sum(link: IslandLink, plan: ChunkPlan, inputs: Callable[[], list[torch.Tensor]],
+               keep: Keep | None = None, feedback: bool = False) -> Steps[tuple[list[torch.Tensor], list[Rounding]]]:
+    """One island's steps of the compressed sum of a bucket's tensors over every island.
+
+    `inputs()` (called once, in the first stage) gives this island's flat float32 tensors; each
+    is encoded once, and `keep` sees what its encode delivered (error feedback). Returns every
+    tensor's sum, flat, and, with `feedback` on the ``exchange`` route, the owner roundings this
+    island keeps (for every process of the island, whichever of them owned the chunk)."""
+    route = choose_route(link.islands)
+    handle = _post_encoded(link, plan, route, inputs, keep)
+    yield [handle]
+    mine, rounding = handle.wait(), None
+    if route == "exchange":
+        handle, rounding = _post_reencoded(link, plan, mine, feedback)
+        yield [handle]
+        mine = handle.wait()
+    slices, slot = link.slices
+    owned = [link.island + s * link.islands for s in range(slices)]
+    lengths = [[_span(plan, t, s * link.islands, link.islands) for t in range(len(plan.numels))]
+               + ([plan.length(t, owned[s]) for t in range(len(plan.numels))] if rounding is not None else [])
+               for s in range(slices)]
+    joined = yield from join_slices(link, mine + (rounding or []), lengths)
+    count = len(plan.numels)
+    sums = [concat(parts) for parts in zip(*(pieces[:count] for pieces in joined))]
+    roundings = [Rounding(t, *plan.ranges(t)[owned[s]], pieces[count + t])
+                 for s, pieces in enumerate(joined) if rounding is not None for t in range(count)]
+    return sums, roundings
+
+
+def concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`parts` joined end to end; a single part as it is (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+
+
+def _span(plan: ChunkPlan, tensor: int, first: int, count: int) -> int:
+    """Entries of chunks first .. first + count − 1 of `tensor` (they are consecutive)."""
+    return plan.ranges(tensor)[first + count - 1][1] - plan.ranges(tensor)[first][0]
+
+
+def _post_encoded(link: IslandLink, plan: ChunkPlan, route: str, inputs: Callable[[], list[torch.Tensor]],
+                  keep: Keep | None) -> Pending:
+    """Encode each input once, slice its wire into this process's P chunks, post them."""
+    first = link.slices[1] * link.islands
+    parts: list[list[torch.Tensor]] = [[] for _ in range(link.islands)]
+    for tensor, flat in enumerate(inputs()):
+        wire = quantize(flat, plan.quantization, plan.groups[tensor], check=False)
+        if keep is not None:
+            keep(tensor, dequantize(wire))
+        for p, (start, stop) in enumerate(plan.ranges(tensor)[first:first + link.islands]):
+            parts[p].append(pad_aligned(wire.slice(start, stop).as_bytes()))
+    blobs = [torch.cat(chunk) for chunk in parts]
     if route == "gather":
-        handle = comm.gather_peers(torch.cat(blobs))
-        yield [handle]
-        received = handle.wait()
-        # Island i's blob holds its chunks first .. first + P − 1; each is summed over islands in order.
-        decoded = [[_decode(plan, first + p, blob) for p, blob in enumerate(_split(plan, first, whole))]
-                   for whole in received]
-        chunks = [_sum([decoded[i][p] for i in range(islands)]) for p in range(islands)]
-    else:
-        sizes = [plan.blob_size(first + p) for p in range(islands)]
-        own = plan.blob_size(first + comm.island)
-        handle = comm.exchange(torch.cat(blobs), sizes, [own] * islands)
-        yield [handle]
-        copies = [_decode(plan, first + comm.island, blob) for blob in handle.wait()]
-        total = _sum(copies)
-        reencoded = torch.cat([_encode(chunk, quantization, group) for chunk, group in zip(total, plan.groups)])
-        handle = comm.gather_peers(F.pad(reencoded, (0, max(sizes) - reencoded.numel())))
-        yield [handle]
-        chunks = [_decode(plan, first + p, blob[:sizes[p]]) for p, blob in enumerate(handle.wait())]
-    # This process's slot: per tensor, its chunks first .. first + P − 1 in order.
-    mine = [torch.cat([chunks[p][tensor] for p in range(islands)]) for tensor in range(len(inputs))]
-    lengths = [[sum(stop - start for start, stop in plan.ranges(t)[s * islands:(s + 1) * islands])
-                for t in range(len(inputs))] for s in range(slices)]
-    whole = yield from join_slices(comm, mine, lengths)
-    return [flat.view(x.shape) for flat, x in zip(whole, inputs)]
+        return link.gather(torch.cat(blobs), SumFold(lambda source, blob: _decode_run(plan, first, link.islands, blob)))
+    return link.scatter(blobs, lambda p: SumFold(lambda source, blob: _decode(plan, first + p, blob)))
 
 
-def join_slices(comm: Communicator, mine: list[torch.Tensor], lengths: list[list[int]]) -> Steps[list[torch.Tensor]]:
-    """Whole flat tensors from the slices the processes of an island carried: `mine[t]` is
-    this process's consecutive slice of tensor t, `lengths[s][t]` slot s's length of it. One
-    all-gather inside the island (over its fast link); nothing with one process per island."""
+def _post_reencoded(link: IslandLink, plan: ChunkPlan, totals: list[torch.Tensor],
+                    feedback: bool) -> tuple[Pending, list[torch.Tensor] | None]:
+    """The owner's step: encode the island total of its chunk again and post it to every
+    island; with `feedback`, also what that rounding lost."""
+    islands, first = link.islands, link.slices[1] * link.islands
+    wires = [quantize(total, plan.quantization, group, check=False) for total, group in zip(totals, plan.groups)]
+    blob = torch.cat([pad_aligned(wire.as_bytes()) for wire in wires])
+    sizes = [plan.blob_size(first + p) for p in range(islands)]
+    blob = F.pad(blob, (0, max(sizes) - blob.numel()))
+    rounding = [total.sub_(dequantize(wire)) for total, wire in zip(totals, wires)] if feedback else None
+    counts = range(len(plan.numels))
+    base = [plan.ranges(t)[first][0] for t in counts]
+    places = [[(plan.ranges(t)[first + p][0] - base[t], plan.ranges(t)[first + p][1] - base[t]) for t in counts]
+              for p in range(islands)]
+    fold = PlaceFold(lambda source, raw: _decode(plan, first + source, raw[:sizes[source]]),
+                     [_span(plan, t, first, islands) for t in counts], places)
+    return link.gather(blob, fold), rounding
+
+
+def join_slices(link: IslandLink, mine: list[torch.Tensor], lengths: list[list[int]]) -> Steps[list[list[torch.Tensor]]]:
+    """Every slot's flat tensors, from the slices the processes of an island carried: `mine` is
+    this process's, `lengths[s][t]` slot s's length of tensor t. One all-gather inside the
+    island (over its fast link); nothing to join with one process per island."""
     if len(lengths) == 1:
-        return mine
+        return [mine]
     joined = torch.cat(mine)
-    handle = comm.join_island(F.pad(joined, (0, max(map(sum, lengths)) - joined.numel())))
+    handle = link.join(F.pad(joined, (0, max(map(sum, lengths)) - joined.numel())))
     yield [handle]
     slots = handle.wait()
-    pieces = [list(torch.split(slots[s][:sum(lengths[s])], lengths[s])) for s in range(len(lengths))]
-    return [torch.cat([pieces[s][t] for s in range(len(lengths))]) for t in range(len(mine))]
+    return [list(torch.split(slots[s][:sum(lengths[s])], lengths[s])) for s in range(len(lengths))]
 
 
-def _encode(chunk: torch.Tensor, quantization: Quantization, group: int) -> torch.Tensor:
-    raw = quantize(chunk, quantization, group).as_bytes()
-    return pad_aligned(raw)
-
-
-def _split(plan: ChunkPlan, first: int, blob: torch.Tensor) -> list[torch.Tensor]:
-    """A gathered blob of chunks first .. first + P − 1 cut into its chunks."""
-    return list(torch.split(blob, [plan.blob_size(first + p) for p in range(plan.islands)]))
+def _decode_run(plan: ChunkPlan, first: int, count: int, blob: torch.Tensor) -> list[torch.Tensor]:
+    """Chunks first .. first + count − 1 of every tensor, decoded from their blobs laid end to
+    end, each tensor's chunks joined."""
+    chunks = torch.split(blob, [plan.blob_size(first + p) for p in range(count)])
+    decoded = [_decode(plan, first + p, chunk) for p, chunk in enumerate(chunks)]
+    return [torch.cat(parts) for parts in zip(*decoded)]
 
 
 def _decode(plan: ChunkPlan, chunk: int, blob: torch.Tensor) -> list[torch.Tensor]:
@@ -212,14 +237,3 @@ def _decode(plan: ChunkPlan, chunk: int, blob: torch.Tensor) -> list[torch.Tenso
         decoded.append(dequantize(wire))
         offset += aligned(size)
     return decoded
-
-
-def _sum(copies: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Per tensor, the copies added in order (the first copied)."""
-    sums = []
-    for terms in zip(*copies):
-        total = terms[0].clone()
-        for term in terms[1:]:
-            total.add_(term)
-        sums.append(total)
-    return sums

@@ -104,6 +104,9 @@ def padded(steps: Steps[T], stages: int) -> Steps[T]:
             result = end.value
             break
         count += 1
+        if count > stages:
+            raise RuntimeError(f"a synchronisation planned for {stages} stages waited more often: the plan's stage "
+                               f"count and the steps disagree")
         yield handles
     for _ in range(stages - count):
         yield []

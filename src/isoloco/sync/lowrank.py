@@ -12,8 +12,11 @@ Both sums are linear, so they ride `isoloco.sync.compressed` like any sum, quant
 `merge.quantize` when set. Q' is the next round's Q (the warm start that makes one power
 iteration per round track the top-k subspace), so the factors are part of the run's state.
 With error feedback island i keeps e_i = X_i − P̂ q(X_iᵀ P̂)ᵀ, where q is what its share of
-Q' became on the wire: Σ_i of the island terms is P̂ Q' up to the factors' rounding, so what
-the rank-k projection leaves out of the sum is exactly what the islands carry to the next round.
+Q' became on the wire, and on the ``exchange`` route the owner of a chunk of Q' also keeps
+P̂ Oᵀ, O what re-encoding that chunk lost (zero elsewhere): the delivered P̂ Q'ᵀ plus every
+island's new residual is then exactly Σ_i X_i, so what the rank-k projection and both
+roundings leave out of the sum is what the islands carry to the next round. (P's own rounding
+loses nothing: it only moves the basis, which every island shares.)
 
 torch's `powerSGD_hook` is the model (error feedback, warm start, orthogonalisation) but is
 not called: it is a DDP communication hook that averages over one process group with its own
@@ -29,11 +32,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from isoloco.sync.codec import Quantization, dequantize, fold_residuals, quantize
+from isoloco.sync.codec import Quantization
+from isoloco.sync.compressed import ChunkPlan, Rounding, island_sum
 from isoloco.sync.handles import Steps
-
-#: Sums a list of per-island lists of tensors over the islands (see `lowrank_sum`).
-IslandSum = Callable[[list[list[torch.Tensor]]], Steps[list[torch.Tensor]]]
+from isoloco.sync.islands import IslandLink
 
 
 def factor_rank(shape: Sequence[int], rank: int) -> int:
@@ -54,21 +56,37 @@ def orthonormal(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(p, mode="reduced").Q
 
 
-def lowrank_sum(islands: list[list[torch.Tensor]], factors: list[torch.Tensor], quantization: Quantization,
-                summed: IslandSum, residuals: list[list[torch.Tensor]] | None = None
-                ) -> Steps[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]:
-    """The rank-k sums over all islands of matrices, as steps: `islands[i][t]` is matrix t of
-    an island held here (every island in the simulator, this process's in a distributed run),
-    `factors[t]` its warm-start Q, and `summed` adds per-island lists over all islands (the
-    compressed sum). Returns (P̂ Q'ᵀ, Q' and P̂, per matrix). With `residuals` (like
-    `islands`), X_i = x_i + e_i and e_i is updated in place."""
-    islands = fold_residuals(islands, residuals)
-    bases = [orthonormal(p) for p in (yield from summed([[x @ q for x, q in zip(island, factors)]
-                                                         for island in islands]))]
-    shares = [[x.T @ basis for x, basis in zip(island, bases)] for island in islands]
-    warm = yield from summed(shares)
-    if residuals is not None:
-        for island, share in zip(islands, shares):
-            for residual, basis, q in zip(island, bases, share):
-                residual.sub_(basis @ dequantize(quantize(q, quantization)).T)
-    return [basis @ q.T for basis, q in zip(bases, warm)], warm, bases
+def lowrank_island_sum(link: IslandLink, quantization: Quantization, shapes: Sequence[torch.Size],
+                       factors: list[torch.Tensor], inputs: Callable[[], list[torch.Tensor]], feedback: bool,
+                       store: Callable[[int, torch.Tensor], None] | None = None
+                       ) -> Steps[tuple[list[torch.Tensor], list[torch.Tensor], list[Rounding]]]:
+    """One island's steps of the rank-k sums over every island of matrices of `shapes`:
+    `inputs()` gives this island's X_i (its sum plus its residual; called in the first stage of
+    each of the two sums, so an island played in this process need not hold it between them),
+    `factors[t]` matrix t's warm-start Q. Returns, per matrix, Q' and P̂ (the sum is P̂ Q'ᵀ),
+    and with `feedback` the owner roundings of Q' this island keeps (e_i += P̂ Oᵀ).
+
+    `store(t, e)` (error feedback, an island whose workers arrived) receives the island's new
+    residual of matrix t, e = X − P̂ q(X_iᵀ P̂)ᵀ with q what its share became on the wire."""
+    ranks = [factor.shape[1] for factor in factors]
+    plan_p = ChunkPlan.of([torch.Size((shape[0], k)) for shape, k in zip(shapes, ranks)], quantization,
+                          link.islands, link.slices[0])
+    plan_q = ChunkPlan.of([torch.Size((shape[1], k)) for shape, k in zip(shapes, ranks)], quantization,
+                          link.islands, link.slices[0])
+    sums, _ = yield from island_sum(link, plan_p, lambda: [(x @ q).reshape(-1) for x, q in zip(inputs(), factors)])
+    bases = [orthonormal(p.view(shape[0], k)) for p, shape, k in zip(sums, shapes, ranks)]
+    del sums
+    held: list[torch.Tensor | None] = []
+
+    def shares() -> list[torch.Tensor]:
+        held[:] = inputs()
+        return [(x.T @ basis).reshape(-1) for x, basis in zip(held, bases)]
+
+    def keep(tensor: int, decoded: torch.Tensor) -> None:
+        x, held[tensor] = held[tensor], None
+        assert store is not None and x is not None
+        store(tensor, x - bases[tensor] @ decoded.view(-1, ranks[tensor]).T)
+
+    warm, roundings = yield from island_sum(link, plan_q, shares, keep if store is not None else None, feedback)
+    held.clear()
+    return [q.view(shape[1], k) for q, shape, k in zip(warm, shapes, ranks)], bases, roundings

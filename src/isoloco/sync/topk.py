@@ -28,18 +28,15 @@ from typing import Callable
 
 import torch
 
-from isoloco.sync.codec import (Quantization, Wire, aligned, dequantize, fold_residuals, pad_aligned, quantize,
-                                wire_nbytes)
+from isoloco.sync.codec import Quantization, Wire, aligned, dequantize, pad_aligned, quantize, shard_ranges, wire_nbytes
+from isoloco.sync.compressed import Keep, concat, join_slices
 from isoloco.sync.handles import Steps
+from isoloco.sync.islands import IslandLink, SumFold
 
 #: The largest chunk: indices within a chunk travel as uint16.
 MAX_CHUNK = 2**16
 #: Bytes of one index.
 INDEX_BYTES = 2
-
-#: Gathers one encoded blob per island (a list, island order) from the blobs held here.
-IslandGather = Callable[[list[torch.Tensor]], Steps[list[torch.Tensor]]]
-
 
 @dataclasses.dataclass(frozen=True)
 class TopK:
@@ -71,65 +68,84 @@ def _per_chunk(quantization: Quantization) -> Quantization:
     return dataclasses.replace(quantization, scales="row")
 
 
-def encode(flat: torch.Tensor, spec: TopK, quantization: Quantization, first: int, last: int) -> torch.Tensor:
-    """Chunks [first, last) of `flat` (float32, 1-D) as uint8 bytes: each chunk's k largest
-    entries' indices (uint16, padded to 4 bytes), then their values' wire (`Wire.as_bytes`)."""
+def select(flat: torch.Tensor, spec: TopK, quantization: Quantization) -> tuple[torch.Tensor, Wire]:
+    """Every chunk's k largest entries of `flat` (float32, 1-D): their indices in the chunk
+    (chunks × k, ascending) and their values' wire (one scale per chunk)."""
     length, chunks, kept = spec.layout(flat.numel())
-    padded = torch.nn.functional.pad(flat, (0, chunks * length - flat.numel())).view(chunks, length)[first:last]
-    index = padded.abs().topk(kept, dim=1, sorted=False).indices
+    padded = torch.nn.functional.pad(flat, (0, chunks * length - flat.numel())).view(chunks, length)
     # Sorted indices make the bytes a function of the set kept, not of topk's internal order.
-    index = index.sort(dim=1).values
-    values = padded.gather(1, index).contiguous()
-    wire = quantize(values, _per_chunk(quantization))
-    # The indices are padded to 4 bytes, so the values' float32 scales after them stay aligned.
-    return torch.cat([pad_aligned(index.to(torch.uint16).reshape(-1).view(torch.uint8)), pad_aligned(wire.as_bytes())])
+    index = padded.abs().topk(kept, dim=1, sorted=False).indices.sort(dim=1).values
+    return index, quantize(padded.gather(1, index).contiguous(), _per_chunk(quantization), check=False)
+
+
+def encode(index: torch.Tensor, wire: Wire, first: int, last: int) -> torch.Tensor:
+    """Chunks [first, last) of `select`'s entries as uint8 bytes: the indices (uint16, padded
+    to 4 bytes, so the values' float32 scales after them stay aligned), then the values' wire."""
+    kept = index.shape[1]
+    indices = index[first:last].to(torch.uint16).reshape(-1).view(torch.uint8)
+    return torch.cat([pad_aligned(indices), pad_aligned(wire.slice(first * kept, last * kept).as_bytes())])
+
+
+def scatter(index: torch.Tensor, values: torch.Tensor, numel: int, spec: TopK, first: int) -> torch.Tensor:
+    """The dense float32 entries of the chunks from `first` on that `index` and `values` (chunks ×
+    k) cover: zeros where nothing was kept, flattened and cut at the tensor's `numel`."""
+    length = spec.layout(numel)[0]
+    dense = torch.zeros(index.shape[0], length, dtype=torch.float32, device=values.device).scatter_(1, index, values)
+    return dense.reshape(-1)[:spec.entries(numel, first, first + index.shape[0])]
 
 
 def decode(blob: torch.Tensor, numel: int, spec: TopK, quantization: Quantization, first: int,
            last: int) -> torch.Tensor:
     """The dense float32 entries of chunks [first, last) of a tensor of `numel` entries, from
     `encode`'s bytes (zeros where nothing was kept), flattened and cut at `numel`."""
-    length, _, kept = spec.layout(numel)
+    kept = spec.layout(numel)[2]
     count = (last - first) * kept
     split = aligned(INDEX_BYTES * count)
     index = blob[:INDEX_BYTES * count].view(torch.uint16).to(torch.int64).view(last - first, kept)
     values = blob[split:split + wire_nbytes(count, quantization, kept)]
     values = dequantize(Wire.from_bytes(values, _per_chunk(quantization), (last - first, kept)))
-    dense = torch.zeros(last - first, length, dtype=torch.float32, device=blob.device).scatter_(1, index, values)
-    return dense.reshape(-1)[:spec.entries(numel, first, last)]
+    return scatter(index, values, numel, spec, first)
 
 
-def topk_sum(islands: list[list[torch.Tensor]], spec: TopK, quantization: Quantization, gathered: IslandGather,
-             chunks: Callable[[int], tuple[int, int]], residuals: list[list[torch.Tensor]] | None = None
-             ) -> Steps[list[torch.Tensor]]:
-    """The top-k sums over all islands of tensors, as steps: `islands[i][t]` is tensor t of an
-    island held here (every island in the simulator, this process's in a distributed run),
-    `chunks(numel)` the chunks [first, last) this process carries of a tensor of `numel`
-    entries, and `gathered` all-gathers each island's encoded blob. Returns, per tensor, this
-    process's chunks of the sum, flattened. With `residuals` (like `islands`), x_i = x_i + e_i
-    and e_i is updated in place."""
-    islands = fold_residuals(islands, residuals)
-    numels = [x.numel() for x in islands[0]]
-    blobs = []
-    for island in islands:
-        parts = []
-        for x in island:
-            flat = x.reshape(-1)
-            parts.append(encode(flat, spec, quantization, *chunks(flat.numel())))
-            if residuals is not None:  # what every chunk lost stays, whichever process sends it
-                every = (0, spec.layout(flat.numel())[1])
-                flat.sub_(decode(encode(flat, spec, quantization, *every), flat.numel(), spec, quantization, *every))
-        blobs.append(torch.cat(parts))
-    received = yield from gathered(blobs)
-    sums = []
-    offsets = [0] * len(received)
-    for numel in numels:
-        first, last = chunks(numel)
-        size = spec.nbytes(numel, quantization, last - first)
-        total = None
-        for index, blob in enumerate(received):
-            decoded = decode(blob[offsets[index]:offsets[index] + size], numel, spec, quantization, first, last)
-            offsets[index] += size
-            total = decoded if total is None else total.add_(decoded)
-        sums.append(total)
-    return sums
+def carried(spec: TopK, numel: int, slices: int) -> list[tuple[int, int]]:
+    """The chunks [first, last) of a tensor of `numel` entries that each of an island's `slices`
+    processes carries across islands."""
+    return shard_ranges(spec.layout(numel)[1], 1, slices)
+
+
+def topk_island_sum(link: IslandLink, spec: TopK, quantization: Quantization,
+                    inputs: Callable[[], list[torch.Tensor]], keep: Keep | None = None) -> Steps[list[torch.Tensor]]:
+    """One island's steps of the top-k sum over every island of a bucket's tensors: `inputs()`
+    (called once, in the first stage) gives this island's flat float32 tensors; each is
+    selected and encoded once, `keep` sees what its selection delivers (error feedback: every
+    entry left out and what the kept values lost to rounding), and this process sends its
+    slice of the chunks. Returns every tensor's sum, flat."""
+    slices, slot = link.slices
+    blob, numels = _encoded(inputs, spec, quantization, slices, slot, keep)
+    spans = [carried(spec, numel, slices) for numel in numels]
+    sizes = [spec.nbytes(numel, quantization, last - first) for numel, (first, last) in
+             zip(numels, (span[slot] for span in spans))]
+
+    def decoded(source: int, blob: torch.Tensor) -> list[torch.Tensor]:
+        pieces = torch.split(blob, sizes)
+        return [decode(piece, numel, spec, quantization, *span[slot]) for piece, numel, span in zip(pieces, numels, spans)]
+
+    handle = link.gather(blob, SumFold(decoded))
+    del blob
+    yield [handle]
+    lengths = [[spec.entries(numel, *span[s]) for numel, span in zip(numels, spans)] for s in range(slices)]
+    joined = yield from join_slices(link, handle.wait(), lengths)
+    return [concat(pieces) for pieces in zip(*joined)]
+
+
+def _encoded(inputs: Callable[[], list[torch.Tensor]], spec: TopK, quantization: Quantization, slices: int,
+             slot: int, keep: Keep | None) -> tuple[torch.Tensor, list[int]]:
+    """This process's blob of every input's carried chunks, and the inputs' sizes."""
+    parts, numels = [], []
+    for tensor, flat in enumerate(inputs()):
+        index, wire = select(flat, spec, quantization)
+        numels.append(flat.numel())
+        if keep is not None:
+            keep(tensor, scatter(index, dequantize(wire), flat.numel(), spec, 0))
+        parts.append(encode(index, wire, *carried(spec, flat.numel(), slices)[slot]))
+    return torch.cat(parts), numels
