@@ -239,3 +239,12 @@ def test_it_trains_beside_the_other_round_keys(tmp_path, extra):
     trainer.run()
     assert all(torch.isfinite(p).all() for p in trainer.global_params)
     assert any(m.get("bytes_per_worker", 0) > 0 for m in read_metrics(tmp_path / "metrics.jsonl"))
+
+
+def test_torchft_refuses_it_in_one_line():
+    pytest.importorskip("torchft")
+    from isoloco.torchft.replica import check_group_config
+
+    with pytest.raises(ConfigError, match="outer.transport=sparseloco is not supported under torchft: torchft's "
+                                          "DiLoCo all-reduces whole pseudo-gradients"):
+        check_group_config(resolve("quick", {"workers": 2, "method": "sparseloco"}), 0, 1)

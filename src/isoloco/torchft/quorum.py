@@ -39,6 +39,8 @@ UNCARRIED = {
                                "isoloco train / isoloco launch"),
     "merge.compress": ("none", "torchft's DiLoCo all-reduces whole pseudo-gradients; drop it, or compress with "
                                "isoloco train / isoloco launch"),
+    "outer.transport": ("merge", "torchft's DiLoCo all-reduces whole pseudo-gradients; drop it, or run SparseLoCo "
+                                 "with isoloco train / isoloco launch"),
     "outer.overlap_steps": (0, "torchft overlaps a synchronisation its own way: drop it and use its fragments and "
                                "sync delay (the example's --fragments N --sync-delay STEPS)"),
     "merge.weighting": ("equal", "torchft's quorum merges its groups with equal weights; drop it, or weigh by "
