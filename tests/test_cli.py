@@ -186,8 +186,8 @@ def test_launch_refuses_a_resume_with_another_layout_before_starting_processes(t
     assert main(["launch", "--nproc", "2", "--", "train", "--resume", str(run), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: checkpoint ") and len(err.splitlines()) == 1
-    assert ("written by 2 workers on 1 process, 1 process per worker, and this run has 2 workers on 2 processes, "
-            "1 process per worker") in err
+    assert ("written by 2 workers on 1 process, 2 workers per process, and this run has 2 workers on 2 processes, "
+            "1 worker per process") in err
 
 
 def test_every_data_problem_is_reported_at_once(tmp_path, capsys):

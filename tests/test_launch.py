@@ -29,7 +29,7 @@ def test_a_dry_run_under_launch_prints_the_config_once_and_starts_nothing(tmp_pa
     assert main(["launch", "--nproc", "2", "--", "train", *TINY_RUN, "--out", str(out), "--dry-run"]) == 0
     printed = capsys.readouterr().out
     assert printed.count("\nmethod: isoloco\n") == 1
-    assert f"# isoloco train would write {out}\n# layout: 2 workers on 2 processes, 1 process per worker\n" in printed
+    assert f"# isoloco train would write {out}\n# layout: 2 workers on 2 processes, 1 worker per process\n" in printed
     assert not out.exists()
 
 

@@ -200,8 +200,9 @@ def test_a_knob_searched_over_several_values_gets_its_own_plot(tmp_path):
     assert list(ties.lines[0].get_xdata()) == [0.2, 0.5, 0.9]
     assert list(ties.lines[0].get_ydata()) == pytest.approx([4.8 + 0.5, 4.5 + 0.5, 4.1 + 0.5])
     flat = {line.get_label(): line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() in ("--", ":")}
-    assert flat["dp"] == pytest.approx(4.5) and flat["diloco_sgd"] == pytest.approx(5.0)
-    assert flat["isoc ortho=svd"] == pytest.approx(4.7) and flat["tsv processes=2"] == pytest.approx(5.4)
+    # Each reference named by what differs between the lines shown (ortho only where a method sets it).
+    assert flat["dp"] == pytest.approx(4.5) and flat["diloco_sgd processes=1"] == pytest.approx(5.0)
+    assert flat["isoc ortho=svd processes=1"] == pytest.approx(4.7) and flat["tsv processes=2"] == pytest.approx(5.4)
     assert not any(label.startswith("dare") for label in flat)  # searched itself: a plot of its own
     write_report(tmp_path)
     assert "![Final validation loss vs merge.density](plots/val_loss_vs_merge.density.png)" in (
@@ -495,8 +496,9 @@ def test_a_method_run_with_one_setting_shows_it_beside_the_others(tmp_path, caps
 
 
 def test_plots_name_series_by_what_differs_and_keep_coinciding_points_apart(tmp_path):
-    """Six series that differ in three long settings and end at the same loss: short, distinct legend
-    names, one x position each at every R, and no layout warning; without dp, no gap chart."""
+    """Six series that differ in three long settings and end at the same loss: distinct legend names
+    that give each differing setting's value as the command line spells it, one x position each at
+    every R, and no layout warning; without dp, no gap chart."""
     import warnings
 
     from isoloco.report import _against, _save
@@ -510,10 +512,11 @@ def test_plots_name_series_by_what_differs_and_keep_coinciding_points_apart(tmp_
     runs = load_runs(tmp_path)
     fig = _against(runs, "workers", False)
     ax = fig.axes[0]
-    names = [text.get_text() for text in ax.get_legend().get_texts()]
-    # The series in the order of their settings; the defaults (none, False, 0) go unnamed.
-    assert names == ["isoloco quantize=int4", "isoloco quantize=int8", "isoloco", "isoloco outer.overlap_steps=2",
-                     "isoloco error_feedback=True quantize=int4", "isoloco error_feedback=True quantize=int8"]
+    names = [text.get_text() for text in fig.legends[0].get_texts()]
+    # The series in the order of their settings, each differing key by its last part with its value.
+    assert names == [f"isoloco error_feedback={ef} quantize={q} overlap_steps={ov}" for ef, ov, q in (
+        ("false", 0, "int4"), ("false", 0, "int8"), ("false", 0, "none"), ("false", 2, "none"), ("true", 0, "int4"),
+        ("true", 0, "int8"))]
     at_r2 = [container.lines[0].get_xdata()[0] for container in ax.containers]
     assert len(set(at_r2)) == 6 and all(1.8 < x < 2.2 for x in at_r2)
     with warnings.catch_warnings():
@@ -522,3 +525,97 @@ def test_plots_name_series_by_what_differs_and_keep_coinciding_points_apart(tmp_
     write_report(tmp_path)
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {"val_loss_vs_R.png", "val_curves.png"}
     assert "gap_vs_R" not in (tmp_path / "results.md").read_text()
+
+
+#: Seven settings of IsoLoCo's slow link, with the bytes per round their runs record (made up).
+SEVEN_SETTINGS = [({}, 7_572_864.0), ({"merge.quantize": "int8"}, 1_924_215.0),
+                  ({"merge.quantize": "int4", "merge.error_feedback": True}, 990_000.0),
+                  ({"merge.compress": "lowrank", "merge.compress_rank": 2}, 300_000.0),
+                  ({"merge.compress": "lowrank", "merge.compress_rank": 4, "merge.quantize": "int8",
+                    "merge.error_feedback": True}, 67_000.0),
+                  ({"merge.compress": "topk", "merge.compress_density": 0.01}, 230_928.0),
+                  ({"outer.overlap_steps": 2}, 7_572_864.0)]
+
+
+def _seven_settings(root: Path, workers: tuple[int, ...] = (2, 4)) -> None:
+    """dp, and IsoLoCo in the seven settings at each R; the first two end 0.0004 apart."""
+    _fake_run(root, "dp-s0", 4.0, method="dp", workers=1)
+    for index, (keys, wire) in enumerate(SEVEN_SETTINGS):
+        for r in workers:
+            _fake_run(root, f"isoloco-{index}-R{r}", 4.5 + 0.0004 * (index == 1) + 0.01 * (index > 1),
+                      method="isoloco", workers=r, inner_steps=3, summary={
+                          "slow_link_bytes_per_round": wire, "slow_link_fewer_than_float32": 7_572_864.0 / wire},
+                      **keys)
+
+
+def test_a_report_of_many_settings_keeps_its_plots_readable(tmp_path, monkeypatch):
+    """Seven settings of long names: every plot keeps at least half the figure's width for its axes
+    (matplotlib's own geometry, after its layout), no layout warning, no offset on a loss axis, and
+    a difference of 0.0004 drawn on an axis at least ±1% of the loss tall."""
+    import warnings
+
+    from isoloco import report
+
+    figures = {}
+    save = report._save
+    monkeypatch.setattr(report, "_save", lambda fig, path: (figures.__setitem__(path.name, fig), save(fig, path)))
+    _seven_settings(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "constrained_layout not applied" would raise here
+        assert main(["report", str(tmp_path)]) == 0
+    assert set(figures) == {"val_loss_vs_R.png", "gap_vs_R.png", "val_curves.png", "val_loss_vs_bytes.png"}
+    for name, fig in figures.items():
+        shown = [ax for ax in fig.axes if ax.get_visible()]
+        top = max(ax.get_position().y1 for ax in shown)
+        row = [ax.get_position() for ax in shown if ax.get_position().y1 == top]
+        assert sum(box.width for box in row) >= 0.5, name
+        for ax in shown:
+            assert ax.yaxis.get_major_formatter().get_offset() == "", name
+            low, high = ax.get_ylim()
+            assert high - low >= (0.02 * 4.5 if "gap" not in name else 2.0), name
+    (legend,) = figures["val_loss_vs_R.png"].legends
+    names = [text.get_text().replace("\n", " ") for text in legend.get_texts()]
+    # Only the settings that differ, each with its value; a compression knob only where it acts.
+    assert "isoloco compress=lowrank compress_rank=2 error_feedback=false quantize=none overlap_steps=0" in names
+    assert "isoloco compress=none error_feedback=false quantize=none overlap_steps=2" in names
+    assert "isoloco compress=topk error_feedback=false quantize=none overlap_steps=0" in names  # one density: unnamed
+    (ax,) = figures["val_loss_vs_bytes.png"].axes
+    assert sorted(c.lines[0].get_xdata()[0] for c in ax.containers) == sorted([w for _, w in SEVEN_SETTINGS] * 2)
+    md = (tmp_path / "results.md").read_text()
+    assert "| slow link per round (bytes) | × fewer than float32 |" in md and "| 1,924,215 | 3.9× |" in md
+
+
+def test_a_negligible_gap_is_drawn_on_a_plain_axis_at_least_two_margins_tall(tmp_path):
+    """Two settings 0.0004 apart and nothing else: no `+4.5` offset above the axis, and the axis
+    spans ±1% (the equivalence margin) of the loss rather than the 0.0004."""
+    from isoloco.report import _against
+
+    for index, (keys, _) in enumerate(SEVEN_SETTINGS[:2]):
+        for r in (2, 4):
+            _fake_run(tmp_path, f"isoloco-{index}-R{r}", 4.5 + 0.0004 * index, method="isoloco", workers=r,
+                      inner_steps=3, **keys)
+    fig = _against(load_runs(tmp_path), "workers", False)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    low, high = ax.get_ylim()
+    assert ax.yaxis.get_major_formatter().get_offset() == "" and high - low == pytest.approx(0.02 * 4.5004)
+
+
+def test_compare_takes_the_command_lines_spellings_and_is_checked_before_anything_is_written(tmp_path, capsys):
+    _seven_settings(tmp_path, workers=(4,))
+    for label in ("isoloco merge.error_feedback=true merge.quantize=int4:isoloco merge.quantize=int8 merge.compress=none",
+                  "isoloco merge.error_feedback=True merge.quantize=int4:isoloco merge.quantize=int8 merge.compress=none"):
+        assert main(["report", str(tmp_path), "--compare", label]) == 0
+        assert "| 4 | 3 | 1 | +0.0096 | one seed: no call |" in (tmp_path / "compare.md").read_text()
+    for bad, said in (("isoloco:dp", "'isoloco' names runs of several settings at one point"),
+                      ("isoloco merge.quantise=int8:dp", "unknown key 'merge.quantise' (did you mean merge.quantize"),
+                      ("isoloco merge.error_feedback=maybe:dp", "merge.error_feedback='maybe' is not allowed"),
+                      ("isoloc:dp", "unknown method 'isoloc'")):
+        for written in ("results.md", "results.csv", "summary.csv", "compare.md", "plots"):
+            shutil.rmtree(tmp_path / written) if written == "plots" else (tmp_path / written).unlink()
+        capsys.readouterr()
+        assert main(["report", str(tmp_path), "--compare", bad]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and said in err, err
+        assert not any((tmp_path / written).exists() for written in ("results.md", "plots", "compare.md"))
+        assert main(["report", str(tmp_path), "--compare", "isoloco merge.quantize=int4:dp"]) == 0

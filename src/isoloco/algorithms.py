@@ -33,7 +33,8 @@ from isoloco.data import Batches
 from isoloco.distributed import Distributed
 from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.inner import InnerOptimizer, pinned_zeros_like
-from isoloco.merge import Participation
+from isoloco.merge import MergeConfig, Participation, wire_bytes_per_merge
+from isoloco.rules import RULES
 from isoloco.outer import OuterStep
 from isoloco.sync.handles import Steps, Sync, run_to_end
 from isoloco.sync.inflight import InFlight
@@ -61,6 +62,25 @@ class Worker:
     #: With `faults.late=carry`: its deltas that missed their rounds, down-weighted, waiting for
     #: the next round it arrives in (storage device; checkpointed with the worker); otherwise empty.
     carry: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SlowLinkModel:
+    """What one synchronisation puts on the slow link per process by the cost model
+    (`isoloco.merge.wire_bytes_per_merge`): the run's own merge, and float32's for the same model
+    and layout, over `islands` islands whose processes each carry one of `slices` equal slices.
+    The model is the mean's collectives, which the rules of one sum share (the mean, Iso-C,
+    DARE); for the others (TIES's two sums, TSV's and Iso-CTS's gathers) both are None."""
+
+    bytes: float | None
+    float32: float | None
+
+    @classmethod
+    def of(cls, merge: MergeConfig, shapes: list[torch.Size], islands: int, slices: int) -> "SlowLinkModel":
+        if [phase.collective for phase in RULES[merge.rule].phases((256, 256), 2, merge.knobs)] != ["sum"]:
+            return cls(None, None)
+        float32 = MergeConfig(bucket_mb=merge.bucket_mb)
+        return cls(*(wire_bytes_per_merge(shapes, config, islands) / slices for config in (merge, float32)))
 
 
 class Algorithm(ABC):
@@ -167,17 +187,26 @@ class DiLoCo(Algorithm):
         # Offloaded from a GPU, the workers' state lives in pinned host memory and the next
         # worker's moments are copied to the GPU while the current one trains (`begin_turn`).
         self.overlaps = storage.type == "cpu" and device.type == "cuda"
-        carries = cfg.faults.late_rate > 0 and cfg.faults.late == "carry"
+        self.carries = cfg.faults.late_rate > 0 and cfg.faults.late == "carry"
         # SparseLoCo's accumulators live where error feedback's residuals do (and are checkpointed so).
         self.feedback = cfg.merge.error_feedback or cfg.outer.transport == "sparseloco"
         self.workers = [Worker(w, self.new_optimizer(), self._buffers(),
                                self._buffers() if self.feedback else [],
-                               self._buffers() if carries else [])
+                               self._buffers() if self.carries else [])
                         for w in dist.comm.local_worker_ids]
         self.dropped: list[int] = []  # the workers left out of the last round as diverged
         #: The last round's steps of every worker of the run, by global id, and how many it merged.
         self.worker_steps: list[int] = []
         self.workers_merged = 0
+        #: The last round's late workers, and those of its merged workers whose carried deltas joined (global ids).
+        self.late: list[int] = []
+        self.carried_joined: list[int] = []
+        # The simulator's slow link is modelled as its merge's bits are: R islands of one worker
+        # each; a job's is measured, and float32's modelled for its layout.
+        layout = dist.layout
+        self.slow_link = SlowLinkModel.of(cfg.merge, [p.shape for p in self.params],
+                                          *((cfg.workers, 1) if dist.world_size == 1
+                                            else (layout.islands, layout.group_size)))
         self.in_flight = (InFlight(self._buffers(), self.global_params, device, cfg.outer.overlap_steps)
                           if cfg.outer.overlap_steps else None)
         #: Local workers whose next turn starts from their own weights and lands the update in flight.
@@ -189,11 +218,13 @@ class DiLoCo(Algorithm):
         it, and its traffic, taken from the communicator when it ends (`_ended`)."""
         self.sync_s = self.sync_exposed_s = 0.0
         self.bytes_per_worker = 0
+        self.synchronisations = 0
         self.link_counts = torch.zeros(len(LINK_COUNTS), dtype=torch.float64)
 
     def _ended(self, ran_s: float, waited_s: float) -> None:
         self.sync_s += ran_s
         self.sync_exposed_s += waited_s
+        self.synchronisations += 1
         self.bytes_per_worker += self.dist.comm.reset_bytes()
         self.link_counts += self.dist.comm.reset_link_bytes()
 
@@ -294,11 +325,14 @@ class DiLoCo(Algorithm):
         """Who this round merges, and with which weights: every worker of the run that is neither
         late (`faults`, drawn alike by every process) nor dropped. None when nobody arrived:
         θ stays as it is. Carried deltas are folded in or set aside here (`faults.late=carry`)."""
-        workers = range(self.cfg.workers)
+        workers, faults, seed = range(self.cfg.workers), self.cfg.faults, self.cfg.seed
         self.worker_steps = [self.cfg.steps_taken(worker, steps) for worker in workers]
-        arrived = tuple(worker for worker in workers if worker not in self.dropped
-                        and not self.cfg.faults.is_late(self.cfg.seed, round, worker))
+        self.late = [worker for worker in workers if faults.is_late(seed, round, worker)]
+        arrived = tuple(worker for worker in workers if worker not in self.dropped and worker not in self.late)
         self.workers_merged = len(arrived)
+        # A worker carries a delta exactly when it was late the round before (arriving empties the carry).
+        self.carried_joined = [worker for worker in arrived if self.carries and round > 0
+                               and faults.is_late(seed, round - 1, worker)]
         self._carry(arrived)
         if not arrived:
             logger.warning("round %d: no worker arrived before the deadline (faults.late_rate=%g); the global model "
@@ -351,16 +385,36 @@ class DiLoCo(Algorithm):
     def round_metrics(self) -> dict[str, Any]:
         # With overlap, the synchronisation in flight at a round's end is counted in the round
         # it lands in. Link counts differ between processes (shard_map): averaged over them.
+        links = self.dist.mean_link_counts(self.link_counts)
         metrics: dict[str, Any] = {"bytes_per_worker": self.bytes_per_worker,
-                                   **self.dist.mean_link_counts(self.link_counts),
+                                   # What the merged workers handed to the collectives, together.
+                                   "bytes_sent": self.bytes_per_worker * self.workers_merged,
+                                   **links, **self._slow_link(links["wire_bytes_cross_island"]),
+                                   "synchronisations": self.synchronisations,
                                    "sync_s": self.sync_s, "sync_exposed_s": self.sync_exposed_s}
         if self.dropped:
             metrics["dropped_workers"] = self.dropped
         metrics.update(worker_steps=self.worker_steps, workers_merged=self.workers_merged)
+        if self.cfg.faults.late_rate:
+            metrics["late_workers"] = self.late
+        if self.carries:
+            metrics["carried_joined"] = self.carried_joined
         if self.outer.merger.clamped:
             metrics["compress_rank_clamped"] = self.outer.merger.clamped
         self._new_period()
         return metrics
+
+    def _slow_link(self, measured: float) -> dict[str, float]:
+        """The round's bytes on the slow link per process (`slow_link_bytes`: a job's `measured`
+        ones, the simulator's modelled) and float32's for the same model and layout; nothing where
+        the cost model does not cover the rule (`SlowLinkModel`) in the simulator."""
+        model, syncs = self.slow_link, self.synchronisations
+        if self.dist.world_size > 1:
+            float32 = measured if self.cfg.merge.lossy_setting is None else syncs * model.float32
+            return {"slow_link_bytes": measured, "slow_link_float32_bytes": float32}
+        if model.bytes is None:
+            return {}
+        return {"slow_link_bytes": syncs * model.bytes, "slow_link_float32_bytes": syncs * model.float32}
 
     @torch.no_grad()
     def use_global_weights(self) -> None:
@@ -384,11 +438,13 @@ class DiLoCo(Algorithm):
     def period_state(self) -> dict[str, Any]:
         # Link counts differ between processes: their mean, which round_metrics would report.
         return {"bytes_per_worker": self.bytes_per_worker, "sync_s": self.sync_s,
-                "sync_exposed_s": self.sync_exposed_s, "links": self.dist.mean_link_counts(self.link_counts)}
+                "sync_exposed_s": self.sync_exposed_s, "synchronisations": self.synchronisations,
+                "links": self.dist.mean_link_counts(self.link_counts)}
 
     def load_period_state(self, state: Mapping[str, Any]) -> None:
         self.bytes_per_worker, self.sync_s = state["bytes_per_worker"], state["sync_s"]
         self.sync_exposed_s = state["sync_exposed_s"]
+        self.synchronisations = state.get("synchronisations", 0)  # absent from checkpoints of older versions
         self.link_counts = torch.tensor([state["links"][key] for key in LINK_COUNTS], dtype=torch.float64)
 
     def close(self) -> None:

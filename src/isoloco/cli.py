@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -204,11 +205,37 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> int:
         summary["unigram_baseline"] = trainer.data.unigram_loss
         write_json_atomic(out / SUMMARY_FILE, summary)
         print(f"results in {out}")
-        print(f"final validation loss {summary['final_val_loss']:.4f} "
-              f"(unigram baseline {summary['unigram_baseline']:.4f}); "
-              f"{summary['cross_island_wire_bytes']:,} bytes across islands, "
-              f"{summary['exposed_sync_seconds']:.2f} s of synchronisation exposed")
+        print(final_line(summary, cfg))
     return 0
+
+
+def final_line(summary: dict[str, Any], cfg: TrainConfig) -> str:
+    """The last line of a run: its loss beside the unigram baseline, its slow link beside
+    float32's, the synchronisation seconds it waited for, and a divergence again if it had one."""
+    parts = [f"final validation loss {summary['final_val_loss']:.4f} (unigram baseline "
+             f"{summary['unigram_baseline']:.4f})"]
+    if cfg.algorithm == "diloco":
+        parts.append(_slow_link_said(summary, cfg))
+    if summary["processes"] > 1:  # what crossed in all, measured: the simulator has no islands to cross
+        parts.append(f"{summary['cross_island_wire_bytes']:,} bytes across islands")
+    parts.append(f"{summary['exposed_sync_seconds']:.2f} s of synchronisation exposed")
+    if "above_unigram_baseline_at_step" in summary:
+        parts.append(f"WARNING: above the unigram baseline from step {summary['above_unigram_baseline_at_step']} "
+                     f"(validation loss {summary['above_unigram_baseline_val_loss']:.4f} there)")
+    return "; ".join(parts)
+
+
+def _slow_link_said(summary: dict[str, Any], cfg: TrainConfig) -> str:
+    """The slow link's bytes per process per round beside float32's, measured or modelled."""
+    if "slow_link_bytes_per_round" not in summary:
+        return f"slow-link bytes not modelled for merge.rule={cfg.merge.rule} (its collectives are not one sum)"
+    fewer = summary["slow_link_fewer_than_float32"]
+    if fewer is None:
+        return "no slow link (one island)"
+    source = summary["slow_link_bytes_source"]
+    where = f"{cfg.workers} islands of one worker each" if source == "modelled" else "this layout"
+    return (f"slow link {summary['slow_link_bytes_per_round']:,.0f} bytes per process per round ({source} for "
+            f"{where}; float32 {summary['slow_link_float32_bytes_per_round']:,.0f}), {fewer:.1f}× fewer than float32")
 
 
 def _resume_command(out: Path, world_size: int) -> str:
@@ -224,17 +251,39 @@ def _resume_command(out: Path, world_size: int) -> str:
 
 def _recipe(cfg: TrainConfig) -> str:
     """What a method does, in the banner: the merge, the optimizers and their learning rates,
-    and what changes the synchronisation (compression, overlap) when set."""
+    and every setting that changes the synchronisation or the workers (`_sync_settings`)."""
     inner = f"inner {cfg.inner.optimizer} lr {cfg.inner.lr:g}"
     if cfg.algorithm == "dp":
         return f"data-parallel baseline, {inner}"
-    link = []
-    if cfg.merge.quantize != "none":
-        link.append(f"merge.quantize={cfg.merge.quantize}" + (" with error feedback" if cfg.merge.error_feedback
-                                                               else ""))
+    return ", ".join([f"merge {cfg.merge.rule}", f"outer {cfg.outer.optimizer} lr {cfg.outer.lr:g}", inner,
+                      *_sync_settings(cfg)])
+
+
+def _sync_settings(cfg: TrainConfig) -> list[str]:
+    """The settings that change what crosses the slow link, when it lands, or what the workers
+    bring to it, each as it is typed, with what it means where the value alone does not say."""
+    merge, faults = cfg.merge, cfg.faults
+    said = []
+    if merge.compress == "lowrank":
+        said.append(f"merge.compress=lowrank (low rank {merge.compress_rank})")
+    elif merge.compress == "topk":
+        said.append(f"merge.compress=topk (top-k: density {merge.compress_density:g} of every "
+                    f"{merge.compress_chunk} entries)")
+    if merge.quantize != "none":
+        said.append(f"merge.quantize={merge.quantize}")
+    if merge.error_feedback:
+        said.append("merge.error_feedback=true")
     if cfg.outer.overlap_steps:
-        link.append(f"outer.overlap_steps={cfg.outer.overlap_steps} (α {cfg.outer.overlap_alpha:g})")
-    return ", ".join([f"merge {cfg.merge.rule}", f"outer {cfg.outer.optimizer} lr {cfg.outer.lr:g}", inner, *link])
+        said.append(f"outer.overlap_steps={cfg.outer.overlap_steps} (α {cfg.outer.overlap_alpha:g})")
+    if cfg.worker_speeds:
+        said.append(f"worker_speeds={','.join(f'{speed:g}' for speed in cfg.worker_speeds)}")
+    if merge.weighting != "equal":
+        said.append(f"merge.weighting={merge.weighting}")
+    if faults.late_rate:
+        fate = ("dropped" if faults.late == "drop"
+                else f"carried, ×{faults.stale_weight:g} per round waited")
+        said.append(f"faults.late_rate={faults.late_rate:g} (late deltas {fate})")
+    return said
 
 
 def cmd_export(args: argparse.Namespace) -> int:

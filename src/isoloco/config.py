@@ -108,7 +108,8 @@ class TrainConfig:
                                  "workspace, the math attention kernel), so reruns and resumes on the same GPU "
                                  "model and software give the same bits; slower. CPU runs are bit-exact without it")
     offload_workers: bool = option(False, "keep idle workers' parameters and optimizer state in CPU memory (GPU runs with many workers)")
-    eval_every: int = option(60, "evaluate the global model every this many steps (at the next synchronisation) and at the end")
+    eval_every: int = option(60, "evaluate the global model every this many steps (at the next synchronisation) and at "
+                             "the end; 0 = only at the end")
     eval_batch: int = option(16, "sequences per evaluation forward pass")
     checkpoint_every: int = option(150, "checkpoint every this many steps (at the next synchronisation) and at the end; 0 = only at the end")
     keep_checkpoints: int = option(2, "how many recent checkpoints to keep")
@@ -154,6 +155,12 @@ class TrainConfig:
         fastest = max(speeds[w % len(speeds)] for w in range(self.num_workers))
         return max(1, round(steps * speeds[worker % len(speeds)] / fastest))
 
+    def tokens_trained(self, steps: int, taken: int) -> int:
+        """Tokens every worker together trains in the first `taken` inner steps of a round of
+        `steps` (the steps a slow worker skips train none)."""
+        per_step = self.global_batch // self.num_workers * self.seq_len
+        return per_step * sum(min(taken, self.steps_taken(worker, steps)) for worker in range(self.num_workers))
+
     def check_micro_batch(self, sequences: int, holder: str) -> None:
         """Refuse a micro_batch that does not divide the `sequences` that `holder` (each worker,
         or each process of a multi-process run) takes per step."""
@@ -173,7 +180,7 @@ class TrainConfig:
         if self.train_steps == 0:
             raise ConfigError(f"whole_rounds=true with steps={self.steps} < inner_steps={self.inner_steps} trains "
                               "no round: raise steps or set whole_rounds=false")
-        check_at_least("eval_every", self.eval_every, 1)
+        check_at_least("eval_every", self.eval_every, 0)
         check_at_least("eval_batch", self.eval_batch, 1)
         check_at_least("checkpoint_every", self.checkpoint_every, 0)
         check_at_least("keep_checkpoints", self.keep_checkpoints, 1)
@@ -210,6 +217,10 @@ class TrainConfig:
         if any(not (math.isfinite(speed) and speed > 0) for speed in speeds):
             raise ConfigError(f"worker_speeds={shown} is not allowed: every speed must be a number > 0 (relative "
                               "speeds, e.g. worker_speeds=1,0.5)")
+        if len(speeds) > self.workers:
+            raise ConfigError(f"worker_speeds={shown} lists {len(speeds)} speeds for workers={self.workers}, and the "
+                              f"speeds after the first {self.workers} would be ignored: give at most {self.workers} "
+                              "(they cycle over the workers: worker_speeds=1,0.5 alternates two speeds)")
         overlap = self.outer.overlap_steps
         slowest = min(self.steps_taken(worker, self.inner_steps) for worker in range(self.num_workers))
         if speeds and overlap and slowest <= overlap:
@@ -261,6 +272,22 @@ def run_warnings(cfg: TrainConfig, islands: int) -> list[str]:
                      "between islands, and this run is one island; launch several (e.g. isoloco launch --nproc 2 "
                      "-- train ...) or drop it")
     return lines
+
+
+def divergence_causes(cfg: TrainConfig) -> str:
+    """What is known to drive a run of `cfg` above the unigram baseline, for the warning that
+    says it went there: the run's settings measured to, then the learning rates."""
+    causes = []
+    if cfg.merge.compress != "none":
+        causes.append(f"merge.compress={cfg.merge.compress} (low rank and top-k each ended above it in runs on the "
+                      "tiny model; docs/claims.md, \"Compression at 100×\")")
+    if Fraction(cfg.outer.overlap_steps, cfg.inner_steps) > SAFE_OVERLAP:
+        causes.append(f"outer.overlap_steps={cfg.outer.overlap_steps} with inner_steps={cfg.inner_steps} "
+                      f"(τ/H above {SAFE_OVERLAP})")
+    causes.append(f"learning rates too high for the model (inner.lr={cfg.inner.lr:g}"
+                  + (f", outer.lr={cfg.outer.lr:g})" if cfg.algorithm == "diloco" else ")"))
+    causes.append(f"too few steps (steps={cfg.steps})")
+    return "known causes: " + "; ".join(causes)
 
 
 # ---------------------------------------------------------------------------------------
@@ -360,14 +387,22 @@ def _keys_by_name() -> dict[str, Key]:
     return {k.name: k for k in list_keys()}
 
 
-def apply_values(cfg: TrainConfig, values: dict[str, Any]) -> None:
-    """Set dotted keys on `cfg`; unknown keys and ill-typed values raise ConfigError."""
+def typed_values(values: dict[str, Any]) -> dict[str, Any]:
+    """Dotted keys (aliases resolved) with their values in the keys' types, as `key=value`
+    reads them; unknown keys and ill-typed values raise ConfigError."""
     keys = _keys_by_name()
+    typed = {}
     for name, raw in values.items():
         name = ALIASES.get(name, name)
         if name not in keys:
             raise ConfigError(f"unknown key {name!r}{_did_you_mean(name, keys)}")
-        value = _coerce(keys[name], raw)
+        typed[name] = _coerce(keys[name], raw)
+    return typed
+
+
+def apply_values(cfg: TrainConfig, values: dict[str, Any]) -> None:
+    """Set dotted keys on `cfg`; unknown keys and ill-typed values raise ConfigError."""
+    for name, value in typed_values(values).items():
         target = cfg
         *sections, leaf = name.split(".")
         for section in sections:
@@ -475,7 +510,34 @@ def resolve(preset: str | None, overrides: dict[str, Any]) -> TrainConfig:
     apply_values(cfg, overrides)
     cfg.method = method
     cfg.validate()
+    refuse_ignored_keys(cfg, [*preset_values, *(per_method.get(method) and flatten(per_method[method]) or {}),
+                              *overrides])
     return cfg
+
+
+#: Keys that act only under one value of another key: key -> (that key, that value). Given
+#: without it, such a key would be ignored (`refuse_ignored_keys`); a report's labels leave it
+#: out of the runs it does not act in.
+ACTS_ONLY_WITH = {"merge.compress_rank": ("merge.compress", "lowrank"),
+                  "merge.compress_density": ("merge.compress", "topk"),
+                  "merge.compress_chunk": ("merge.compress", "topk")}
+
+
+def acts(key: str, settings: dict[str, Any]) -> bool:
+    """Whether `key` acts in a run of these flat `settings` (see `ACTS_ONLY_WITH`)."""
+    needs = ACTS_ONLY_WITH.get(key)
+    return needs is None or settings.get(needs[0]) == needs[1]
+
+
+def refuse_ignored_keys(cfg: TrainConfig, given: list[str]) -> None:
+    """Refuse a key the user gave (a preset's or an override) that `cfg` would ignore. Only
+    given keys count: a saved config.yaml holds every key, at its default where not given."""
+    values = flatten(to_dict(cfg))
+    for key in dict.fromkeys(ALIASES.get(key, key) for key in given):
+        if not acts(key, values):
+            needs, value = ACTS_ONLY_WITH[key]
+            raise ConfigError(f"{key}={values[key]} is ignored with {needs}={values[needs]}: it applies "
+                              f"only with {needs}={value}; add {needs}={value}, or drop {key}")
 
 
 def from_dict(tree: dict[str, Any]) -> TrainConfig:

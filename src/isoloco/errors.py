@@ -7,6 +7,8 @@ is a bug and keeps its traceback. Messages name what is wrong and how to fix it.
 
 from __future__ import annotations
 
+import re
+
 #: Exit status of a process stopped because another process of the run died, hung or failed.
 EXIT_PEER_LOST = 3
 #: Exit status after Ctrl-C: 128 + SIGINT, as a shell reports it.
@@ -76,8 +78,19 @@ def describe(error: BaseException, rank: int) -> tuple[list[str], int]:
     return message.splitlines(), status
 
 
+#: The source location C++ backends (gloo, c10) put before their messages: `[../third_party/gloo/...cc:534] `.
+_SOURCE_LOCATION = re.compile(r"^\[[^\]\s]+\.(?:c|cc|cpp|cxx|h|hpp):\d+\]\s*")
+#: The longest `first_line`.
+FIRST_LINE_CHARS = 200
+
+
 def first_line(error: BaseException) -> str:
-    """A third-party exception as one short line, for messages that must fit on one line."""
+    """A third-party exception as one short line, for messages that must fit on one line:
+    its first line without a backend's source location, cut at a word if too long."""
     text = str(error).strip().splitlines()
-    line = text[0] if text else type(error).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
+    line = _SOURCE_LOCATION.sub("", text[0]) if text else ""
+    line = line or type(error).__name__
+    if len(line) <= FIRST_LINE_CHARS:
+        return line
+    cut = line[:FIRST_LINE_CHARS - 4]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(" ,;:") + " ..."

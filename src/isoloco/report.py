@@ -39,8 +39,9 @@ from typing import Any, Iterable
 
 import yaml
 
-from isoloco.config import EXECUTION_KEYS, TrainConfig, flatten, from_dict, to_dict
-from isoloco.errors import ReportError
+from isoloco.config import (EXECUTION_KEYS, TrainConfig, acts, flatten, from_dict, parse_overrides, to_dict,
+                            typed_values)
+from isoloco.errors import ConfigError, ReportError
 from isoloco.methods import METHODS
 from isoloco.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, SWEEP_MANIFEST
 
@@ -78,6 +79,10 @@ class RunResult:
     # token frequencies, but one that lost them again (or never learnt them).
     above_after_first: bool = False
     wire_bytes: float | None = None  # cross-island bytes over the run, all processes (newer runs only)
+    # Slow-link bytes per process per round (measured in a job, modelled in the simulator) and how
+    # many times fewer than float32's for the same model and layout (newer runs only).
+    slow_link_bytes: float | None = None
+    fewer_than_float32: float | None = None
     exposed_sync_s: float | None = None  # synchronisation seconds training waited for (newer runs only)
     # (step, workers merged) of each round (runs that record `workers_merged`): fewer than R with late workers.
     participation: tuple[tuple[int, int], ...] = ()
@@ -159,14 +164,18 @@ def load_run(run_dir: Path) -> RunResult:
     return RunResult(
         name=run_dir.name, method=cfg["method"], workers=None if dp else cfg["workers"],
         inner_steps=None if dp else cfg["inner_steps"], seed=cfg["seed"], model=cfg["model"],
-        # A finished run says what it trained; an unfinished one is counted by its plan.
-        tokens=summary.get("tokens") or from_dict(cfg).train_steps * cfg["global_batch"] * cfg["seq_len"],
+        # The budget a run was given: what a finished one scheduled (older runs: what they trained, the
+        # same without slow workers); an unfinished one is counted by its plan.
+        tokens=summary.get("tokens_scheduled") or summary.get("tokens")
+        or from_dict(cfg).train_steps * cfg["global_batch"] * cfg["seq_len"],
         final_val_loss=summary.get("final_val_loss"), unigram_baseline=unigram,
         wall_time_s=summary.get("wall_time_s"), cpu_time_s=summary.get("cpu_time_s"),
         curve=tuple((tokens, loss) for _, tokens, loss in evaluations),
         peak=None if peak is None else (peak[0], peak[2]),
         above_after_first=unigram is not None and any(loss > unigram for *_, loss in evaluations[1:]),
         wire_bytes=summary.get("cross_island_wire_bytes"), exposed_sync_s=summary.get("exposed_sync_seconds"),
+        slow_link_bytes=summary.get("slow_link_bytes_per_round"),
+        fewer_than_float32=summary.get("slow_link_fewer_than_float32"),
         participation=tuple((int(r["step"]), int(r["workers_merged"])) for r in records if "workers_merged" in r),
         settings=tuple(sorted(settings.items())))
 
@@ -327,24 +336,37 @@ def _has_link(runs: Iterable[RunResult]) -> bool:
     return any(r.wire_bytes is not None or r.exposed_sync_s is not None for r in runs)
 
 
+def _has_slow_link(runs: Iterable[RunResult]) -> bool:
+    """Whether any run records its slow-link bytes per round beside float32's: only then do the
+    tables get those columns."""
+    return any(r.slow_link_bytes is not None for r in runs)
+
+
+def _fewer(value: float | None) -> str:
+    """How many times fewer bytes than float32, as the tables write it."""
+    return "" if value is None else f"{value:.1f}×"
+
+
 def results_csv(runs: list[RunResult]) -> str:
-    link = _has_link(runs)
+    link, slow = _has_link(runs), _has_slow_link(runs)
     return _csv(
         ["run", "method", "R", "H", "variant", "seed", "model", "tokens", "final_val_loss", "gap_to_dp_pct",
          "peak_val_loss", "peak_step", "above_unigram_at_an_evaluation", "above_unigram_after_first_evaluation",
          "ended_above_unigram", "wall_time_s", "cpu_time_s",
-         *(["cross_island_wire_bytes", "exposed_sync_seconds"] if link else []), "status"],
+         *(["cross_island_wire_bytes", "exposed_sync_seconds"] if link else []),
+         *(["slow_link_bytes_per_round", "slow_link_fewer_than_float32"] if slow else []), "status"],
         ([r.name, r.method, _fmt(r.workers, "d"), _fmt(r.inner_steps, "d"), r.variant, str(r.seed), r.model,
           str(r.tokens), _fmt(r.final_val_loss, ".6f"), _fmt(r.gap_pct, ".4f"),
           _fmt(r.peak and r.peak[1], ".6f"), _fmt(r.peak and r.peak[0], "d"), str(r.rose_above_unigram).lower(),
           str(r.above_after_first).lower(), str(r.unstable).lower(),
           _fmt(r.wall_time_s, ".1f"), _fmt(r.cpu_time_s, ".1f"),
           *([_fmt(r.wire_bytes, ".0f"), _fmt(r.exposed_sync_s, ".3f")] if link else []),
+          *([_fmt(r.slow_link_bytes, ".0f"), _fmt(r.fewer_than_float32, ".3f")] if slow else []),
           "finished" if r.final_val_loss is not None else "incomplete"] for r in runs))
 
 
 def summary_csv(groups: list[Group]) -> str:
-    link = _has_link(r for g in groups for r in g.runs)
+    link, slow = _has_link(r for g in groups for r in g.runs), _has_slow_link(r for g in groups for r in g.runs)
     rows = []
     for g in groups:
         loss, loss_std = _mean_std(g.values("final_val_loss"))
@@ -353,16 +375,20 @@ def summary_csv(groups: list[Group]) -> str:
         cpu, _ = _mean_std(g.values("cpu_time_s"))
         wire, _ = _mean_std(g.values("wire_bytes"))
         exposed, _ = _mean_std(g.values("exposed_sync_s"))
+        slow_link, _ = _mean_std(g.values("slow_link_bytes"))
+        fewer, _ = _mean_std(g.values("fewer_than_float32"))
         rows.append([g.first.method, _fmt(g.first.workers, "d"), _fmt(g.first.inner_steps, "d"), g.first.variant,
                      g.first.model, str(g.first.tokens), str(len(g.values("final_val_loss"))), _fmt(loss, ".6f"),
                      _fmt(loss_std, ".6f"), _fmt(gap, ".4f"), _fmt(gap_std, ".4f"), _fmt(g.peak_loss, ".6f"),
                      str(sum(r.rose_above_unigram for r in g.runs)), str(sum(r.unstable for r in g.runs)),
                      _fmt(wall, ".1f"), _fmt(cpu, ".1f"),
-                     *([_fmt(wire, ".0f"), _fmt(exposed, ".3f")] if link else [])])
+                     *([_fmt(wire, ".0f"), _fmt(exposed, ".3f")] if link else []),
+                     *([_fmt(slow_link, ".0f"), _fmt(fewer, ".3f")] if slow else [])])
     return _csv(["method", "R", "H", "variant", "model", "tokens", "seeds", "final_val_loss_mean", "final_val_loss_std",
                  "gap_to_dp_pct_mean", "gap_to_dp_pct_std", "peak_val_loss_max", "runs_above_unigram_at_an_evaluation",
                  "runs_ended_above_unigram", "wall_time_s_mean", "cpu_time_s_mean",
-                 *(["cross_island_wire_bytes_mean", "exposed_sync_seconds_mean"] if link else [])], rows)
+                 *(["cross_island_wire_bytes_mean", "exposed_sync_seconds_mean"] if link else []),
+                 *(["slow_link_bytes_per_round_mean", "slow_link_fewer_than_float32_mean"] if slow else [])], rows)
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -434,8 +460,9 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
     variant = (lambda r: [r.shown_variant or "—"]) if any(r.variant for r in runs) else (lambda r: [])
     variant_header = ["variant"] if any(r.variant for r in runs) else []
     # Link columns only where a run records its traffic; older runs show "—" beside newer ones.
-    link = _has_link(runs)
-    link_header = ["wire bytes", "exposed sync (s)"] if link else []
+    link, slow = _has_link(runs), _has_slow_link(runs)
+    link_header = (["wire bytes", "exposed sync (s)"] if link else []) + (
+        ["slow link per round (bytes)", "× fewer than float32"] if slow else [])
 
 
     parts += ["", "Gap to DP = (loss − loss_DP) / loss_DP × 100, against the dp run of the same model, token "
@@ -443,7 +470,10 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                   "runs of a method that differ in anything but the seed (their variant) are separate rows. Peak "
                   "val loss: the highest validation loss at any evaluation (of any seed)."
               + (" Wire bytes: what crossed between islands over the run, all processes; exposed sync: the "
-                 "seconds training waited for synchronisations." if link else ""),
+                 "seconds training waited for synchronisations." if link else "")
+              + (" Slow link per round: the bytes a synchronisation puts on the slow link per process, measured "
+                 "across processes, modelled (the cost model, R islands of one worker) in a one-process run; × "
+                 "fewer than float32: float32's for the same model and layout, divided by them." if slow else ""),
               "", "## By method, R and H", "",
               _md_table(["method", "R", "H", *variant_header, "seeds", "final val loss", "gap to DP (%)",
                          "peak val loss", "tokens", "wall time (s)", "CPU time (s)", *link_header],
@@ -454,7 +484,9 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                           _marked(_fmt(g.peak_loss, ".4f") or "—", g.rose_above_unigram, ABOVE_UNIGRAM_MARK),
                           f"{g.first.tokens:,}", _pm(g.values("wall_time_s"), ".0f"),
                           _pm(g.values("cpu_time_s"), ".0f"),
-                          *([_pm(g.values("wire_bytes"), ",.0f"), _pm(g.values("exposed_sync_s"), ".2f")] if link else [])]
+                          *([_pm(g.values("wire_bytes"), ",.0f"), _pm(g.values("exposed_sync_s"), ".2f")] if link else []),
+                          *([_pm(g.values("slow_link_bytes"), ",.0f"),
+                             _fewer(_mean_std(g.values("fewer_than_float32"))[0]) or "—"] if slow else [])]
                          for g in groups]),
               *_footnotes(any(g.unstable for g in groups), any(g.rose_above_unigram for g in groups),
                           " in at least one seed"),
@@ -465,7 +497,9 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                           _marked(_fmt(r.final_val_loss, ".4f") or "incomplete", r.unstable),
                           _fmt(r.gap_pct, "+.2f") or "—", _peak(r), f"{r.tokens:,}", _fmt(r.wall_time_s, ".0f") or "—",
                           _fmt(r.cpu_time_s, ".0f") or "—",
-                          *([_fmt(r.wire_bytes, ",.0f") or "—", _fmt(r.exposed_sync_s, ".2f") or "—"] if link else [])]
+                          *([_fmt(r.wire_bytes, ",.0f") or "—", _fmt(r.exposed_sync_s, ".2f") or "—"] if link else []),
+                          *([_fmt(r.slow_link_bytes, ",.0f") or "—", _fewer(r.fewer_than_float32) or "—"]
+                            if slow else [])]
                          for r in runs]),
               *_footnotes(any(r.unstable for r in runs), any(r.rose_above_unigram for r in runs))]
     if plots:
@@ -504,23 +538,32 @@ def _series_label(run: RunResult, varying: list[str]) -> str:
     return run.method + variant + "".join(f" {_AXIS_NAMES[d]}={getattr(run, d)}" for d in varying)
 
 
-def _legend_names(labels: Iterable[str]) -> dict[str, str]:
-    """Full series label -> a legend name: the method, and only the settings in which the series
-    differ, each where its value is not the reference one (the key's default where a series has it,
-    else the value most series share, ties by text), without `merge.`. Two series that differ in a
-    setting cannot both hold its reference value, so the names stay distinct."""
-    parsed = {label: (label.split()[0], dict(part.partition("=")[::2] for part in label.split()[1:]))
-              for label in dict.fromkeys(labels)}
-    keys = sorted({key for _, settings in parsed.values() for key in settings})
-    common = {}
-    for key in keys:
-        seen = [settings.get(key, "") for _, settings in parsed.values()]
-        default = _show(_DEFAULT_SETTINGS[key]) if key in _DEFAULT_SETTINGS else None
-        if len(set(seen)) > 1:
-            common[key] = default if default in seen else min(set(seen), key=lambda v: (-seen.count(v), v))
-    return {label: " ".join([method, *(f"{key.removeprefix('merge.')}={settings.get(key, '')}" for key in common
-                                       if settings.get(key, "") != common[key])])
-            for label, (method, settings) in parsed.items()}
+def _typed(value: Any) -> str:
+    """A setting's value as the command line spells it (`true`, `1,0.5`)."""
+    return str(value).lower() if isinstance(value, bool) else _show(value)
+
+
+def _legend_names(series: dict[str, RunResult], axes: list[str], ignore: frozenset[str] = frozenset()) -> dict[str, str]:
+    """Series label -> a short legend name: the method, then each setting that sets a run apart
+    from others of its method (a variant's key) and differs between the series shown (`series`:
+    each label's first run), with its value as the command line spells it, in every series it
+    applies to and acts in; then the varying `axes`. A key goes by its last part where that is
+    unique among them (`quantize`, not `merge.quantize`). `ignore`: keys the plot's axis shows."""
+    settings = {label: dict(run.settings) for label, run in series.items()}
+    own = {label: {part.partition("=")[0] for part in run.variant.split()} for label, run in series.items()}
+    varied = set().union(*own.values()) - ignore
+
+    def named(label: str, key: str) -> bool:
+        return (key in own[label] or _applies(key, series[label].method)) and acts(key, settings[label])
+
+    keys = sorted(key for key in varied if len({_show(settings[label].get(key)) for label in series
+                                                if named(label, key)}) > 1)
+    leaves = [key.rsplit(".", 1)[-1] for key in keys]
+    short = {key: leaf if leaves.count(leaf) == 1 else key for key, leaf in zip(keys, leaves)}
+    return {label: " ".join([run.method, *(f"{short[key]}={_typed(settings[label].get(key))}" for key in keys
+                                          if named(label, key)),
+                             *(f"{_AXIS_NAMES[axis]}={getattr(run, axis)}" for axis in axes)])
+            for label, run in series.items()}
 
 
 def _dodge(x: float, index: int, count: int) -> float:
@@ -529,8 +572,40 @@ def _dodge(x: float, index: int, count: int) -> float:
     return x if count < 2 else x * 2 ** ((index - (count - 1) / 2) * min(0.04, 0.3 / (count - 1)))
 
 
-#: Beyond this many series a plot's legend goes beside the axes instead of over the lines.
-LEGEND_INSIDE_AT_MOST = 6
+#: A legend line's characters beyond which it wraps, and how many fit across a 6.4-inch figure.
+LEGEND_WRAP, LEGEND_ROW_CHARS = 60, 96
+
+
+def _legend_below(fig: Any, handles: list[Any] | None = None, labels: list[str] | None = None) -> None:
+    """The figure's legend under its axes, in as many columns as its longest name allows, the figure
+    taller by its rows: a legend there takes height and never the axes' width, whatever the number of
+    series or the length of their names."""
+    import textwrap
+
+    if handles is None:
+        handles, labels = fig.axes[0].get_legend_handles_labels()
+    labels = [textwrap.fill(label, LEGEND_WRAP) for label in labels]
+    widest = max(len(line) for label in labels for line in label.splitlines())
+    columns = max(1, min(len(labels), LEGEND_ROW_CHARS // (widest + 6)))
+    rows = -(-len(labels) // columns)
+    lines_per_row = max(label.count("\n") + 1 for label in labels)
+    fig.set_figheight(fig.get_figheight() + 0.2 * rows * lines_per_row + 0.2)
+    fig.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize="small")
+
+
+def _plain_y(ax: Any, least_span: float) -> None:
+    """A y axis without an offset (no `+5.838` above it) that spans at least `least_span`, so a
+    difference well inside the report's equivalence margin does not fill the plot."""
+    ax.ticklabel_format(axis="y", useOffset=False)
+    low, high = ax.get_ylim()
+    if high - low < least_span:
+        middle = (low + high) / 2
+        ax.set_ylim(middle - least_span / 2, middle + least_span / 2)
+
+
+def _loss_span(losses: Iterable[float]) -> float:
+    """The least span of a loss axis: the equivalence margin either side of the largest loss."""
+    return 2 * DEFAULT_MARGIN_PCT / 100 * max(losses, default=1.0)
 
 
 def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
@@ -541,14 +616,17 @@ def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
     varying = [d for d in ("workers", "inner_steps", "tokens")
                if d != axis and len({getattr(r, d) for r in trained}) > 1]
     series: dict[str, dict[int, list[float]]] = {}
+    firsts: dict[str, RunResult] = {}
     for r in trained:
         value = r.gap_pct if gap else r.final_val_loss
         if value is not None:
-            series.setdefault(_series_label(r, varying), {}).setdefault(getattr(r, axis), []).append(value)
+            label = _series_label(r, varying)
+            series.setdefault(label, {}).setdefault(getattr(r, axis), []).append(value)
+            firsts.setdefault(label, r)
     # A series run at one value of the axis says nothing about it: where others span it, leave it out.
     series = {label: points for label, points in series.items() if len(points) > 1} or series
     colors = _colors(series)
-    names = _legend_names(series)
+    names = _legend_names({label: firsts[label] for label in series}, varying)
     fig = Figure(figsize=(6.4, 4.4), layout="constrained")
     ax = fig.add_subplot()
     ax.set_title(f"{'Gap to DP' if gap else 'Final validation loss'} against {X_AXES[axis][1]}")
@@ -560,6 +638,7 @@ def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
     if gap:
         ax.axhline(0.0, color="black", linestyle="--", linewidth=1, label="dp")
         ax.set_ylabel("gap to DP (%)")
+        _plain_y(ax, 2 * DEFAULT_MARGIN_PCT)
     else:
         for model, tokens in sorted({r.budget for r in runs if r.is_dp and r.final_val_loss is not None}):
             dp = _mean_std([r.final_val_loss for r in runs if r.is_dp and r.budget == (model, tokens)
@@ -567,12 +646,10 @@ def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
             ax.axhline(dp, color="black", linestyle="--", linewidth=1,
                        label="dp" if "tokens" not in varying else f"dp tokens={tokens}")
         ax.set_ylabel("final validation loss")
+        _plain_y(ax, _loss_span(r.final_val_loss for r in trained))
     _log2_axis(ax, sorted({getattr(r, axis) for r in trained}), X_AXES[axis][1])
     ax.grid(True, alpha=0.3)
-    if len(series) > LEGEND_INSIDE_AT_MOST:
-        fig.legend(loc="outside right upper", fontsize="small")
-    else:
-        ax.legend(fontsize="small")
+    _legend_below(fig)
     return fig
 
 
@@ -600,9 +677,11 @@ def _against_knob(runs: list[RunResult], key: str, knobs: dict[str, list[str]]) 
     searched = [r for r in trained if r.method in methods]
     varying = [d for d in ("workers", "inner_steps", "tokens") if len({getattr(r, d) for r in searched}) > 1]
     series: dict[str, dict[float, list[float]]] = {}
+    firsts: dict[str, RunResult] = {}
     for r in searched:
-        series.setdefault(_series_label(replace(r, variant=""), varying), {}).setdefault(
-            dict(r.settings)[key], []).append(r.final_val_loss)
+        label = _series_label(replace(r, variant=""), varying)
+        series.setdefault(label, {}).setdefault(dict(r.settings)[key], []).append(r.final_val_loss)
+        firsts.setdefault(label, r)
     fig = Figure(figsize=(6.4, 4.4), layout="constrained")
     ax = fig.add_subplot()
     ax.set_title(f"Final validation loss against {key}")
@@ -610,8 +689,9 @@ def _against_knob(runs: list[RunResult], key: str, knobs: dict[str, list[str]]) 
     where = (searched[0].workers, searched[0].inner_steps, searched[0].budget)
     references = [g for g in group_runs([r for r in runs if r.method not in searched_any and r.final_val_loss is not None])
                   if g.first.is_dp or (not varying and (g.first.workers, g.first.inner_steps, g.first.budget) == where)]
-    colors = _colors([*series, *(g.first.label for g in references if not g.first.is_dp)])
-    names = _legend_names([*series, *(g.first.label for g in references if not g.first.is_dp)])
+    firsts.update((g.first.label, g.first) for g in references if not g.first.is_dp)
+    colors = _colors(firsts)
+    names = _legend_names(firsts, varying, ignore=frozenset({key}))
     for label, points in series.items():
         xs = sorted(points)
         stats = [_mean_std(points[x]) for x in xs]
@@ -634,29 +714,30 @@ def _against_knob(runs: list[RunResult], key: str, knobs: dict[str, list[str]]) 
     ax.set_xticks(ticks, [f"{x:g}" for x in ticks], rotation=90 if len(ticks) > 5 else 0)
     ax.set_xlabel(key)
     ax.set_ylabel("final validation loss (mean ± std over seeds)")
+    _plain_y(ax, _loss_span(r.final_val_loss for r in trained))
     ax.grid(True, alpha=0.3)
-    if len(series) + len(references) > LEGEND_INSIDE_AT_MOST:
-        fig.legend(loc="outside right upper", fontsize="small")
-    else:
-        ax.legend(fontsize="small")
+    _legend_below(fig)
     return fig
 
 
 def _curves(runs: list[RunResult]) -> Any:
     """Validation loss against tokens, one panel per R; dp (dashed) in every panel."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import EngFormatter
+    from matplotlib.ticker import EngFormatter, MaxNLocator
 
     with_curve = [r for r in runs if r.curve]
     trained = [r for r in with_curve if not r.is_dp]
     panels = sorted({r.workers for r in trained}) or [None]
     varying = [d for d in ("inner_steps", "tokens") if len({getattr(r, d) for r in trained}) > 1]
     seeds = len({r.seed for r in with_curve}) > 1
-    colors = _colors(_series_label(r, varying) for r in trained)
-    names = _legend_names(colors)
+    firsts: dict[str, RunResult] = {}
+    for r in trained:
+        firsts.setdefault(_series_label(r, varying), r)
+    colors = _colors(firsts)
+    names = _legend_names(firsts, varying)
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
-    fig = Figure(figsize=(4.2 * cols + 1.8, 3.4 * rows), layout="constrained")
+    fig = Figure(figsize=(4.2 * cols, 3.4 * rows), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False, sharey=True).ravel()
     # The first evaluations sit far above the rest; cap the y axis at the losses after a
     # quarter of training so the differences between methods stay visible.
@@ -675,14 +756,49 @@ def _curves(runs: list[RunResult]) -> Any:
         ax.set_title("dp" if workers is None else f"R = {workers}")
         ax.set_xlabel("training tokens")
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=4))
         ax.grid(True, alpha=0.3)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     pad = 0.03 * (high - low or 1.0)
     axes[0].set_ylim(low - pad, high + pad)
+    _plain_y(axes[0], _loss_span([high]))
     for ax in axes[::cols]:
         ax.set_ylabel("validation loss")
-    fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize="small")
+    _legend_below(fig, list(handles.values()), list(handles))
+    return fig
+
+
+def _against_bytes(runs: list[RunResult]) -> Any:
+    """Final loss against the slow-link bytes per round, log scale: what each setting saved and
+    what it cost, one point per setting (mean ± std over seeds), dp as a dashed line."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter
+
+    groups = [g for g in group_runs([r for r in runs if not r.is_dp and r.final_val_loss is not None
+                                     and r.slow_link_bytes])]
+    varying = [d for d in ("workers", "inner_steps", "tokens") if len({getattr(g.first, d) for g in groups}) > 1]
+    firsts = {_series_label(g.first, varying): g.first for g in groups}
+    names, colors = _legend_names(firsts, varying), _colors(firsts)
+    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title("Final validation loss against the slow link's bytes")
+    for group in groups:
+        label = _series_label(group.first, varying)
+        loss, spread = _mean_std(group.values("final_val_loss"))
+        ax.errorbar([_mean_std(group.values("slow_link_bytes"))[0]], [loss], yerr=[spread or 0.0], marker="o",
+                    capsize=3, linestyle="none", color=colors[label], label=names[label])
+    for model, tokens in sorted({r.budget for r in runs if r.is_dp and r.final_val_loss is not None}):
+        dp = _mean_std([r.final_val_loss for r in runs if r.is_dp and r.budget == (model, tokens)
+                        and r.final_val_loss is not None])[0]
+        ax.axhline(dp, color="black", linestyle="--", linewidth=1, label=f"dp tokens={tokens}" if varying else "dp")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(EngFormatter(unit="B", sep=""))
+    ax.set_xlabel("slow-link bytes per process per round (measured, or modelled in one process)")
+    ax.set_ylabel("final validation loss")
+    _plain_y(ax, _loss_span(loss for g in groups for loss in g.values("final_val_loss")))
+    ax.grid(True, alpha=0.3)
+    _legend_below(fig)
     return fig
 
 
@@ -710,7 +826,7 @@ def _participation(runs: list[RunResult]) -> Any:
 
     lines = participation_lines(runs)
     # The legend goes under the axes: its labels name runs, too long to sit beside them.
-    fig = Figure(figsize=(7.0, 3.4 + 0.2 * len(lines)), layout="constrained")
+    fig = Figure(figsize=(7.0, 3.4), layout="constrained")
     ax = fig.subplots()
     for index, (label, rounds) in enumerate(lines):
         # Lines that share a round's count are dodged apart so each stays visible.
@@ -721,7 +837,7 @@ def _participation(runs: list[RunResult]) -> Any:
     ax.set_xlabel("step (end of the round)")
     ax.set_ylabel("workers merged")
     ax.grid(True, alpha=0.3)
-    fig.legend(loc="outside lower center", fontsize="small")
+    _legend_below(fig)
     return fig
 
 
@@ -749,6 +865,9 @@ def write_plots(runs: list[RunResult], folder: Path) -> list[tuple[str, str]]:
         if any(r.curve for r in runs):
             _save(_curves(runs), folder / "val_curves.png")
             written.append(("val_curves.png", "Validation loss curves"))
+        if len({r.slow_link_bytes for r in trained if r.slow_link_bytes}) > 1:
+            _save(_against_bytes(runs), folder / "val_loss_vs_bytes.png")
+            written.append(("val_loss_vs_bytes.png", "Final validation loss vs slow-link bytes per round"))
         if any(_partial(r) for r in runs if not r.is_dp):
             _save(_participation([r for r in runs if not r.is_dp]), folder / "participation.png")
             written.append(("participation.png", "Workers merged per round"))
@@ -931,21 +1050,36 @@ def _trend(points: dict[tuple, dict[int, tuple[RunResult, RunResult]]], a: str, 
 Finished = list[RunResult]
 
 
-def _matches(run: RunResult, label: str) -> bool:
-    """Whether `label` (a method, then any of the `key=value` settings results.md shows for the
-    run) names the run: `diloco` and `diloco outer.lr=0.7` both name DiLoCo's runs at lr 0.7."""
-    method, *settings = label.split()
-    return run.method == method and set(settings) <= set(run.shown_variant.split())
+def label_settings(label: str, option: str = "--compare") -> tuple[str, dict[str, Any]]:
+    """A run label's method and settings (`isoloco merge.quantize=int8 processes=2`), each value
+    read as `isoloco train` reads `key=value` (`true` and `True` alike); an unknown method, key or
+    value is refused, naming it and `option`."""
+    method, *items = label.split()
+    try:
+        if method not in METHODS:
+            raise ReportError(f"unknown method {method!r}: a label starts with one of {', '.join(METHODS)}")
+        raw = parse_overrides(items)
+        processes = raw.pop("processes", None)
+        if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int)):
+            raise ReportError(f"processes={processes!r} is not a number of processes")
+        wanted = {key: tuple(value) if isinstance(value, list) else value for key, value in typed_values(raw).items()}
+    except ConfigError as error:
+        raise ReportError(f"{option} {label!r}: {error}") from None
+    return method, wanted if processes is None else {**wanted, "processes": processes}
 
 
-def _named(finished: Finished, label: str) -> dict[tuple, RunResult]:
-    """(R, H, budget, seed) -> the one run `label` names there; an error when it names several."""
+def _named(finished: Finished, label: str, option: str = "--compare") -> dict[tuple, RunResult]:
+    """(R, H, budget, seed) -> the one run `label` names there (its method, and any of its
+    settings: `diloco` and `diloco outer.lr=0.7` both name DiLoCo's runs at lr 0.7); an error
+    when it names several."""
+    method, wanted = label_settings(label, option)
     named: dict[tuple, RunResult] = {}
     for run in finished:
-        if _matches(run, label):
+        own = dict(run.settings)
+        if run.method == method and all(own.get(key) == value for key, value in wanted.items()):
             key = (run.workers, run.inner_steps, run.budget, run.seed)
             if key in named:
-                raise ReportError(f"--compare {label!r} names runs of several settings at one point: "
+                raise ReportError(f"{option} {label!r} names runs of several settings at one point: "
                                   f"{named[key].label!r} and {run.label!r}; name one of them in full")
             named[key] = run
     return named
@@ -1090,6 +1224,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     pairs = [_pair(text) for text in args.compare]
     contrasts = [_contrast(text) for text in args.contrast]
     margin_pct = _margin(args.margin)
+    # Every label is read, and must name one setting at each point, before anything is written.
+    finished = _finished(load_runs(directory))
+    for option, labels in (("--compare", [label for pair in pairs for label in pair]),
+                           ("--contrast", [label for both in contrasts for pair in both for label in pair])):
+        for label in labels:
+            _named(finished, label, option)
     for left, kept in write_report(directory):
         print(f"warning: {left.name} repeats seed {left.seed} of {kept.name} (same method and settings): counted "
               f"once, as {kept.name}; give the rerun another seed or move it out of {directory}", file=sys.stderr)

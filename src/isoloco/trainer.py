@@ -19,6 +19,7 @@ merges across islands, and evaluates a share of the validation set; rank 0 write
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -33,7 +34,7 @@ from tqdm import tqdm
 from isoloco import checkpoint as ckpt
 from isoloco import logs, sharded_checkpoint
 from isoloco.algorithms import Algorithm, Worker, build_algorithm
-from isoloco.config import TrainConfig, to_dict
+from isoloco.config import TrainConfig, divergence_causes, to_dict
 from isoloco.data import Batches, TokenData, check_run_data, load_token_data, validation_batches
 from isoloco.distributed import Distributed
 from isoloco.errors import CheckpointError, ConfigError
@@ -88,6 +89,34 @@ def check_resume_layout(checkpoint: Path, state: dict[str, Any], layout: dict[st
 
 
 
+@dataclasses.dataclass
+class SlowLinkTotals:
+    """A run's slow link over its rounds and resumes, per process: the bytes its synchronisations
+    put there (measured in a job, modelled in the simulator: `algorithms.SlowLinkModel`) and
+    float32's for the same model and layout, from the metrics' `slow_link_bytes` and
+    `slow_link_float32_bytes`; zero synchronisations where no round recorded them."""
+
+    bytes: float = 0.0
+    float32: float = 0.0
+    synchronisations: int = 0
+
+    def add(self, extra: dict[str, Any]) -> None:
+        if "slow_link_bytes" in extra:
+            self.bytes += extra["slow_link_bytes"]
+            self.float32 += extra["slow_link_float32_bytes"]
+            self.synchronisations += extra["synchronisations"]
+
+    def summary(self, source: str) -> dict[str, Any]:
+        """summary.json's keys: bytes per process per round (a synchronisation), float32's, how
+        many times fewer (None without a slow link), and whether `source` measured or modelled them."""
+        if not self.synchronisations:
+            return {}
+        return {"slow_link_bytes_per_round": self.bytes / self.synchronisations,
+                "slow_link_float32_bytes_per_round": self.float32 / self.synchronisations,
+                "slow_link_fewer_than_float32": self.float32 / self.bytes if self.bytes else None,
+                "slow_link_bytes_source": source}
+
+
 def spectra_probe(cfg: TrainConfig, algorithm: Algorithm) -> SpectraProbe | None:
     """The measurement of DiLoCo's outer steps with `log.spectra`; None when off, and for dp,
     which has no pseudo-gradients to measure."""
@@ -133,7 +162,12 @@ class Trainer:
         # The run's slow link, summed over rounds and resumes for summary.json (`_count_sync`).
         self.cross_island_wire_bytes = 0.0
         self.exposed_sync_s = 0.0
+        self.slow_link = SlowLinkTotals()
+        self.tokens_trained = 0  # by every worker together, over rounds and resumes
         self.last_val_loss: float | None = None
+        #: (step, validation loss) of the first evaluation that found the run above its unigram
+        #: baseline where a learning model is not (`_check_baseline`); None while it has not been.
+        self.above_unigram: tuple[int, float] | None = None
         # Counts worker steps; `run` replaces it with a visible bar (rounds driven by the
         # benchmarks and the GPU check outside `run` update this silent one).
         self.bar = tqdm(disable=True)
@@ -227,6 +261,9 @@ class Trainer:
             "cpu_s": self.cpu_seconds,
             "cross_island_wire_bytes": self.cross_island_wire_bytes,
             "exposed_sync_s": self.exposed_sync_s,
+            "slow_link": dataclasses.asdict(self.slow_link),
+            "tokens_trained": self.tokens_trained,
+            "above_unigram": self.above_unigram,
             "metrics_offset": metrics_offset,
             "last_val_loss": self.last_val_loss,
             "layout": self.dist.layout.describe(),
@@ -278,6 +315,9 @@ class Trainer:
         self.cpu_seconds = state.get("cpu_s", 0.0)
         self.cross_island_wire_bytes = state.get("cross_island_wire_bytes", 0.0)
         self.exposed_sync_s = state.get("exposed_sync_s", 0.0)
+        self.slow_link = SlowLinkTotals(**state.get("slow_link", {}))
+        self.tokens_trained = state.get("tokens_trained", self.step * self.cfg.global_batch * self.cfg.seq_len)
+        self.above_unigram = tuple(state["above_unigram"]) if state.get("above_unigram") else None
         self.last_val_loss = state["last_val_loss"]
         if state.get("sync_period"):  # absent from checkpoints of older versions
             self.algorithm.load_period_state(state["sync_period"])
@@ -330,6 +370,7 @@ class Trainer:
                     extra[FINDER_DTYPE_KEY] = self.finder_dtype
                 if self._due(cfg.eval_every, start, end) or end == cfg.train_steps:
                     self.last_val_loss = extra["val_loss"] = self.evaluate()
+                    self._check_baseline(start, end)
                 self._log_round(log, start, end, losses, seconds, extra)
                 if not math.isfinite(losses[-1]):
                     raise FloatingPointError(f"training loss became {losses[-1]} at step {end}; "
@@ -358,23 +399,41 @@ class Trainer:
 
     def _count_sync(self, extra: dict[str, Any]) -> None:
         """Add a round's slow link to the run's totals: the cross-island wire bytes of every
-        process (a metrics line holds their mean over processes, so times the processes) and
-        the seconds training waited for the synchronisation (rank 0's, as its lines)."""
+        process (a metrics line holds their mean over processes, so times the processes), the
+        seconds training waited for the synchronisation (rank 0's, as its lines), and the bytes
+        per process beside float32's (`SlowLinkTotals`)."""
         self.cross_island_wire_bytes += extra.get("wire_bytes_cross_island", 0.0) * self.dist.world_size
         self.exposed_sync_s += extra.get("sync_exposed_s", 0.0)
+        self.slow_link.add(extra)
+
+    def _check_baseline(self, start: int, end: int) -> None:
+        """Warn, once, when the evaluation at `end` finds θ above the unigram baseline (it knows
+        less than the token frequencies) where a learning model is not: at any evaluation but a
+        first one mid-run, which may come before the model has learnt them."""
+        unigram, loss = self.data.unigram_loss, self.last_val_loss
+        first = not self.cfg.eval_every or start < self.cfg.eval_every
+        if self.above_unigram or loss <= unigram or (first and end < self.cfg.train_steps):
+            return
+        self.above_unigram = (end, loss)
+        if self.dist.is_main:
+            logger.warning("step %d: validation loss %.4f is above the unigram baseline %.4f (predicting each token by "
+                           "its frequency): the run diverged, or has not learnt the frequencies yet; %s", end, loss,
+                           unigram, divergence_causes(self.cfg))
 
     def _log_round(self, log: MetricsLog | NullMetricsLog, start: int, end: int, losses: list[float],
                    seconds: float, extra: dict[str, Any]) -> None:
         """One metrics line per step; the round's last carries `extra`, its wall time and its
         throughput (steps are timed as a round: workers take turns, then merge)."""
-        tokens_per_step = self.cfg.global_batch * self.cfg.seq_len
-        extra = {**extra, "wall_time_s": self.elapsed, "tokens_per_s": tokens_per_step * (end - start) / seconds}
+        trained = self.cfg.tokens_trained(end - start, end - start)
+        extra = {**extra, "wall_time_s": self.elapsed, "tokens_per_s": trained / seconds}
         if self.spectra is not None:
             extra[SPECTRA_KEY] = self.spectra.take_records()
         for i, step in enumerate(range(start, end)):
-            record = {"step": step + 1, "round": start // self.cfg.inner_steps, "tokens": (step + 1) * tokens_per_step,
+            record = {"step": step + 1, "round": start // self.cfg.inner_steps,
+                      "tokens": self.tokens_trained + self.cfg.tokens_trained(end - start, i + 1),
                       "train_loss": losses[i], "lr": self.workers[0].optimizer.lr_at(step)}
             log.write({**record, **extra} if step + 1 == end else record)
+        self.tokens_trained += trained
         shown = {"loss": f"{losses[-1]:.3f}", "tok_s": f"{extra['tokens_per_s']:,.0f}"}
         if "val_loss" in extra:
             shown["val"] = f"{self.last_val_loss:.3f}"
@@ -385,6 +444,8 @@ class Trainer:
 
     def summary(self) -> dict[str, Any]:
         cfg = self.cfg
+        above = {} if self.above_unigram is None else {"above_unigram_baseline_at_step": self.above_unigram[0],
+                                                       "above_unigram_baseline_val_loss": self.above_unigram[1]}
         return {
             "final_val_loss": self.last_val_loss,
             "method": cfg.method,
@@ -394,7 +455,8 @@ class Trainer:
             "steps": cfg.train_steps,
             "global_batch": cfg.global_batch,
             "seq_len": cfg.seq_len,
-            "tokens": cfg.train_steps * cfg.global_batch * cfg.seq_len,
+            "tokens": self.tokens_trained,
+            "tokens_scheduled": cfg.train_steps * cfg.global_batch * cfg.seq_len,
             "params": self.num_params,
             "model": cfg.model,
             "seed": cfg.seed,
@@ -403,6 +465,8 @@ class Trainer:
             "cpu_time_s": self.cpu_seconds,
             "cross_island_wire_bytes": round(self.cross_island_wire_bytes),
             "exposed_sync_seconds": self.exposed_sync_s,
+            **self.slow_link.summary("modelled" if self.dist.world_size == 1 else "measured"),
+            **above,
             **({SECONDS_KEY: self.spectra.seconds} if self.spectra is not None else {}),
             **({FINDER_DTYPE_KEY: self.finder_dtype} if self.finder_dtype else {}),
         }
