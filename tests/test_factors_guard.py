@@ -3,12 +3,14 @@ factors only where an a-posteriori estimate puts them within the fidelity bar, a
 exact ones elsewhere (`isoloco.ortho._Found.accurate`; docs/fidelity.md)."""
 
 import math
+from collections import Counter
 
 import pytest
 import torch
 
 from isoloco import merge, rules
-from isoloco.ortho import FINDER_TOLERANCE, FactorSettings, top_factors
+from isoloco.ortho import FACTOR_PATHS, FINDER_TOLERANCE, FactorSettings, gram_svd, top_factors
+from helpers import SMALL_ARGS
 from test_merge import reference_iso_cts, reference_tsv
 
 #: docs/fidelity.md: `auto` stays within this relative Frobenius distance of `exact`.
@@ -120,3 +122,83 @@ def test_a_rank_below_k_is_handled_by_the_guard():
     for rule in ("tsv", "iso_cts"):
         auto, exact = (getattr(merge, rule)(deltas, factors=factors) for factors in ("auto", "exact"))
         assert relative(auto, exact) < BAR, rule
+
+
+def shared_signal_under_noise(shape: tuple[int, int], workers: int, rank: int = 16) -> list[torch.Tensor]:
+    """Issue 43's deltas: a rank-16 signal shared by the workers plus 0.3 of each one's own noise."""
+    g = torch.Generator().manual_seed(4)
+    signal = torch.randn(shape[0], rank, generator=g) @ torch.randn(rank, shape[1], generator=g)
+    return [signal + 0.3 * torch.randn(shape, generator=g) for _ in range(workers)]
+
+
+def float64_top(delta: torch.Tensor, k: int) -> torch.Tensor:
+    u, s, vh = torch.linalg.svd(delta.double(), full_matrices=False)
+    return (u[:, :k] * s[:k]) @ vh[:k]
+
+
+@pytest.mark.parametrize("shape", [(256, 640), (640, 256), (320, 320)])
+def test_a_hopeless_finder_stops_after_one_iteration_and_the_factors_are_exact(shape):
+    """k = r/16 past a shared rank-4 signal, where the spectrum is flat: the first iteration's
+    Ritz values say the certificate cannot pass, so auto stops the finder there and takes the
+    exact factors (the Gram route's top k on the non-square shapes, LAPACK's on the square
+    one), which are the float64 SVD's to float32 rounding."""
+    k = min(shape) // 16
+    for delta in shared_signal_under_noise(shape, 2, rank=4):
+        paths = Counter()
+        u, s, v = top_factors(delta, k, FactorSettings(), paths=paths)
+        assert paths == Counter({"exact_finder_stopped": 1})
+        assert relative((u * s) @ v.T, float64_top(delta, k)) < 1e-5
+
+
+def test_the_finder_is_not_stopped_where_it_passes():
+    """Decaying spectra: the stop never fires, the certificate keeps the finder's factors."""
+    paths = Counter()
+    for delta in low_rank_dominated((256, 192), 4):
+        top_factors(delta, 192 // 16, FactorSettings(finder_dtype="float32"), paths=paths)
+    assert paths == Counter({"finder": 4})
+
+
+@pytest.mark.parametrize("shape", [(300, 96), (96, 300)])
+def test_the_gram_route_gives_the_top_k_of_the_float64_svd(shape):
+    """`gram_svd`'s top k of a float32 matrix (tall and wide): singular values and rank-k
+    product those of the float64 SVD to float32 rounding, orthonormal singular vectors."""
+    g = torch.Generator().manual_seed(5)
+    matrix = (torch.randn(shape, generator=g) * torch.logspace(0, -2, shape[1])).float()
+    k = 10
+    u, s, vh = gram_svd(matrix, k)
+    assert u.shape == (shape[0], k) and s.shape == (k,) and vh.shape == (k, shape[1])
+    truth = torch.linalg.svdvals(matrix.double())[:k]
+    assert float(((s.double() - truth) / truth).abs().max()) < 1e-6
+    assert relative((u * s) @ vh, float64_top(matrix, k)) < 1e-6
+    for factor in (u, vh.T):
+        torch.testing.assert_close(factor.T.double() @ factor.double(), torch.eye(k, dtype=torch.float64), atol=1e-5,
+                                   rtol=0)
+
+
+@pytest.mark.parametrize("rule", ["tsv", "iso_cts"])
+def test_the_merger_counts_the_path_of_every_workers_factors(rule):
+    """One count per worker and matrix, under the path it took; cleared by whoever reads it."""
+    deltas = shared_signal_under_noise((128, 320), 16)
+    merger = merge.Merger(merge.MergeConfig(rule=rule), merge.LocalCommunicator(16), seed=0)
+    merger.merge_all({"a": deltas, "b": [d[:, :128] for d in deltas]})
+    assert sum(merger.factor_paths.values()) == 2 * 16
+    assert set(merger.factor_paths) <= set(FACTOR_PATHS)
+
+
+@pytest.mark.slow
+def test_each_rounds_factor_paths_are_in_the_metrics(tmp_path):
+    """Iso-CTS at R = 4 on the tiny model: each worker keeps 3 residual directions of rank
+    64, so auto considers the finder for every one of the 30 matrices; every round's last
+    metrics line counts 4 × 30 factorisations."""
+    import json
+
+    from isoloco.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", *SMALL_ARGS, "method=isocts", "workers=4", "inner_steps=2", "steps=4", "eval_every=4",
+                 "--out", str(run), "--quiet"]) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rounds = [line["factor_paths"] for line in lines if "factor_paths" in line]
+    assert len(rounds) == 2
+    for paths in rounds:
+        assert set(paths) == set(FACTOR_PATHS) and sum(paths.values()) == 4 * 30

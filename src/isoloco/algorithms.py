@@ -35,6 +35,7 @@ from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.inner import InnerOptimizer, pinned_zeros_like
 from isoloco.merge import MergeConfig, Participation, wire_bytes_per_merge
 from isoloco.rules import RULES
+from isoloco.ortho import FACTOR_PATHS
 from isoloco.outer import OuterStep
 from isoloco.sync.handles import Steps, Sync, run_to_end
 from isoloco.sync.inflight import InFlight
@@ -401,6 +402,11 @@ class DiLoCo(Algorithm):
             metrics["carried_joined"] = self.carried_joined
         if self.outer.merger.clamped:
             metrics["compress_rank_clamped"] = self.outer.merger.clamped
+        if RULES[self.outer.merger.cfg.rule].factored:  # how `merge.factors` got them (processes count their own workers)
+            paths = self.outer.merger.factor_paths
+            counts = self.dist.sum(torch.tensor([float(paths[path]) for path in FACTOR_PATHS], dtype=torch.float64))
+            metrics["factor_paths"] = {path: int(count) for path, count in zip(FACTOR_PATHS, counts.tolist())}
+            paths.clear()
         self._new_period()
         return metrics
 

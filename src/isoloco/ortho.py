@@ -44,6 +44,7 @@ import dataclasses
 import logging
 import math
 import threading
+from collections import Counter
 from typing import Any, Callable, Iterator, Literal
 
 import torch
@@ -269,6 +270,23 @@ def polar_svd(matrix: torch.Tensor) -> Polar:
     return Polar(u @ vh, s)
 
 
+#: `_gram64` converts the rows of a matrix to float64 in blocks of about this many entries
+#: (8 MiB): a whole float64 copy of a float32 matrix would be twice its size, at the peak of
+#: Iso-C and of TSV's and Iso-CTS's exact factors. The tiny preset's largest matrix is one block.
+GRAM_BLOCK_ENTRIES = 2**20
+
+
+def _gram64(tall: torch.Tensor) -> torch.Tensor:
+    """AᵀA in float64 for a tall A (..., m, r), summed over blocks of `GRAM_BLOCK_ENTRIES`."""
+    blocks = tall.split(max(1, GRAM_BLOCK_ENTRIES // tall.shape[-1]), dim=-2)
+    first = blocks[0].double()
+    gram = first.mT @ first
+    for block in blocks[1:]:
+        block = block.double()
+        gram += block.mT @ block
+    return gram
+
+
 def _gram_eigen(tall: torch.Tensor, vectors: bool,
                 rtol: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Eigen-decomposition of G = AᵀA (n×n, float64) of a tall A: singular values (descending,
@@ -278,8 +296,7 @@ def _gram_eigen(tall: torch.Tensor, vectors: bool,
     resolves σ down to ~√(n·eps64)·σ_max ≈ 1e-7·σ_max, below `null_rtol` for float32 inputs.
     Float64 inputs get the larger of the two thresholds.
     """
-    a = tall.double()
-    gram = a.mT @ a
+    gram = _gram64(tall)
     if vectors:
         eigenvalues, eigenvectors = torch.linalg.eigh(gram)
         eigenvectors = eigenvectors.flip(-1)
@@ -462,22 +479,27 @@ def polar_auto(matrix: torch.Tensor) -> Polar:
     return polar_gram(matrix) if _aspect(matrix) >= GRAM_MIN_ASPECT else polar_svd(matrix)
 
 
-def gram_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gram_svd(matrix: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Thin SVD U, S, Vᴴ from the Gram eigendecomposition (float64), null directions zeroed
     in all three: for a tall A = U S Vᵀ, V and S² are the eigenpairs of AᵀA and U = A V / S.
-    Costs what `polar_gram` costs; U errs by ~eps·σ_max/σ_i in direction i (see there)."""
+    Costs what `polar_gram` costs; U errs by ~eps·σ_max/σ_i in direction i (see there).
+    With `k`, only the top k triplets: U_k = A V_k / S_k is then an m·r·k product, not m·r²."""
     gram = _GramRoute(matrix)
-    u = gram.tall @ (gram.q * gram.inverse_sigma.unsqueeze(-2)).to(gram.tall.dtype)
-    v = gram.q.masked_fill((gram.sigma == 0).unsqueeze(-2), 0).to(gram.tall.dtype)
+    q, sigma, inverse = gram.q[..., :k], gram.sigma[..., :k], gram.inverse_sigma[..., :k]
+    u = gram.tall @ (q * inverse.unsqueeze(-2)).to(gram.tall.dtype)
+    v = q.masked_fill((sigma == 0).unsqueeze(-2), 0).to(gram.tall.dtype)
     if gram.transposed:  # M = (U S Vᵀ)ᵀ = V S Uᵀ
         u, v = v, u
-    return u.to(matrix.dtype), gram.sigma.to(matrix.dtype), v.mT.to(matrix.dtype)
+    return u.to(matrix.dtype), sigma.to(matrix.dtype), v.mT.to(matrix.dtype)
 
 
-def svd_auto(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The faster exact thin SVD for this shape, chosen as `polar_auto` chooses: `gram_svd`
-    for clearly non-square matrices, `thin_svd` for square-ish ones."""
-    return gram_svd(matrix) if _aspect(matrix) >= GRAM_MIN_ASPECT else thin_svd(matrix)
+def svd_auto(matrix: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The faster exact thin SVD for this shape (its top `k` triplets, or all), chosen as
+    `polar_auto` chooses: `gram_svd` for clearly non-square matrices, `thin_svd` for square-ish ones."""
+    if _aspect(matrix) >= GRAM_MIN_ASPECT:
+        return gram_svd(matrix, k)
+    u, s, vh = thin_svd(matrix)
+    return u[..., :k], s[..., :k], vh[..., :k, :]
 
 
 POLAR_METHODS: dict[str, Callable[[torch.Tensor, int, torch.dtype], Polar]] = {
@@ -693,8 +715,9 @@ class FactorSettings:
 
 
 def _project_out(x: torch.Tensor, left_out: torch.Tensor | None) -> torch.Tensor:
-    """(I − L Lᵀ)·x for L = `left_out` (orthonormal columns), or x itself for none."""
-    return x if left_out is None else x - left_out @ (left_out.mT @ x)
+    """(I − L Lᵀ)·x for L = `left_out` (orthonormal columns), or x itself for none; x − LLᵀx
+    is formed in the product's own storage, so no second tensor of x's size is held."""
+    return x if left_out is None else (left_out @ (left_out.mT @ x)).neg_().add_(x)
 
 
 def _orthonormal_columns(matrix: torch.Tensor) -> torch.Tensor:
@@ -759,10 +782,12 @@ class _Found:
 
 
 def _randomized_svd(matrix: torch.Tensor, columns: int, power_iters: int, left_out: torch.Tensor | None,
-                    early_dtype: torch.dtype) -> _Found:
+                    early_dtype: torch.dtype, judged: int | None = None) -> _Found | None:
     """Thin SVD of the best rank-`columns` approximation of M = (I − L Lᵀ)·matrix found by
     subspace iteration (L: orthonormal columns projected out, or none): a basis Q of
-    (M Mᵀ)^q M Ω, then the SVD of the thin Qᵀ M.
+    (M Mᵀ)^q M Ω, then the SVD of the thin Qᵀ M. With `judged` = k, None where the first
+    iteration's Ritz values say the top k cannot pass `_Found.accurate` (`_hopeless`): the
+    rest of the finder would be work thrown away.
 
     M is applied, never formed: projecting L out costs products with `columns` vectors,
     not with the whole matrix. The test matrix Ω comes from a fixed CPU generator, so every
@@ -793,15 +818,22 @@ def _randomized_svd(matrix: torch.Tensor, columns: int, power_iters: int, left_o
     basis = image(early, probe.to(a.device))
     for step in range(power_iters):
         by = a if step == power_iters - 1 else early
+        judge = judged is not None and step == 0
         # No second projection of the basis here: its columns spanning M's range already lie
         # in the range of I − L Lᵀ, and any others QR added to complete a rank-deficient
         # block only widen the subspace searched.
         if every_side or short_rows:
             basis = _orthonormal_columns(basis)
         row_basis = (by.mT @ basis.to(by.dtype)).to(a.dtype)
+        # The Ritz values are those of M or Mᵀ times orthonormal columns: Mᵀ·Q when Q was
+        # orthonormalised, else M·(the orthonormalised row basis) below.
+        if judge and (every_side or short_rows) and _hopeless(row_basis, judged, power_iters):
+            return None
         if every_side or not short_rows:
             row_basis = _orthonormal_columns(row_basis)
         basis = image(by, row_basis)
+        if judge and not (every_side or short_rows) and _hopeless(basis, judged, power_iters):
+            return None
     basis = _orthonormal_columns(basis)
     # The last product is projected: columns QR added need not lie in the range of I − L Lᵀ,
     # and here they would carry L's directions into the factors.
@@ -809,35 +841,73 @@ def _randomized_svd(matrix: torch.Tensor, columns: int, power_iters: int, left_o
     return _Found(a, left_out, basis, basis @ u_small, s, vh)
 
 
+def _hopeless(estimate: torch.Tensor, k: int, power_iters: int) -> bool:
+    """Whether `power_iters` subspace iterations cannot bring the top `k` within the
+    certificate's reach, judged from the Ritz values σ̂ of `estimate` (M times orthonormal
+    columns, after one pass).
+
+    Each iteration shrinks what the basis misses of the top k by about ρ² = (σ̂_c/σ̂_k)²
+    (c: the basis's columns), and `_Found.accurate` needs it 1e-3 of the relative gap
+    (σ̂_k − σ̂_{k+1})/σ̂_k; where ρ^{2q} exceeds the whole gap, the check would fail by far, so
+    the finder stops (a flat spectrum: Gaussian noise, or a few shared directions under noise
+    with k past them). An estimate from one pass; the margin of 1/tolerance leans towards
+    trying, and the check still decides (docs/fidelity.md)."""
+    s = torch.linalg.svdvals(estimate)
+    if s.shape[-1] <= k:
+        return False
+    s_k = s[..., k - 1]
+    alive = s_k > null_rtol(estimate) * s[..., 0]  # a rank below k: the check handles it cheaply
+    spread = (s[..., -1] / s_k) ** (2 * power_iters)
+    return bool((alive & (spread > (s_k - s[..., k]) / s_k)).any())
+
+
+#: How `top_factors` got a worker's factors, the keys it counts them under: the range
+#: finder's, certified; the exact ones without trying it (k too large a share of the rank, or
+#: ``exact``); the exact ones after its first iteration judged it hopeless; the exact ones after
+#: the certificate turned its factors down (all its work thrown away).
+FACTOR_PATHS = ("finder", "exact", "exact_finder_stopped", "exact_finder_rejected")
+
+
 @full_float32_matmuls()
 def top_factors(matrix: torch.Tensor, k: int, settings: FactorSettings = FactorSettings(),
                 largest: torch.Tensor | None = None, left_out: torch.Tensor | None = None,
-                divisor: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                divisor: int = 1, paths: Counter | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The top-k singular triplets U_k (m×k), S_k (k), V_k (n×k) of M = (I − L Lᵀ)·matrix / divisor
     (L = `left_out`, orthonormal columns, or none), numerically null directions zeroed in all
-    three (relative to `largest`, see `thin_svd`).
+    three (relative to `largest`, see `thin_svd`). `paths` counts the `FACTOR_PATHS` taken.
 
     See `FactorSettings.randomized` for when the range finder is used; with ``auto`` its
-    factors are kept only where `_Found.accurate` vouches for them, else the exact path runs,
-    which forms M.
+    factors are kept only where `_Found.accurate` vouches for them, and it stops after one
+    iteration where it cannot (`_hopeless`); else the exact path runs, which forms M (LAPACK's
+    SVD for ``exact``, `svd_auto`'s top k otherwise).
     """
     _check_matrix(matrix)
-    rtol, found = null_rtol(matrix), None
+    rtol, found, path = null_rtol(matrix), None, "exact"
     if settings.randomized(k, _rank(matrix)):
+        auto = settings.method == "auto"
         found = _randomized_svd(matrix, k + settings.oversample, settings.power_iters, left_out,
-                                settings.early_dtype(matrix.device))
+                                settings.early_dtype(matrix.device), judged=k if auto else None)
+        path = "finder" if found is not None else "exact_finder_stopped"
+    if found is not None:
         # The null threshold on M·divisor, whose singular values the finder computed.
         top = found.s[..., :1]
         null = rtol * (top if largest is None else torch.broadcast_to(largest * divisor, top.shape))
         if settings.method == "auto" and not found.accurate(k, null):
-            found = None
+            found, path = None, "exact_finder_rejected"
+    if paths is not None:
+        paths[path] += math.prod(matrix.shape[:-2])
     if found is not None:
         u, s, vh = found.factors(matrix.dtype)
-        s = s / divisor
+        u, s, vh = u[..., :k], s[..., :k] / divisor, vh[..., :k, :]
     else:
         residual = _project_out(matrix, left_out)
-        u, s, vh = _svd(residual / divisor if divisor != 1 else residual)
-    u, s, vh = u[..., :k], s[..., :k], vh[..., :k, :]
+        if divisor != 1:  # in place where the projection made a new tensor
+            residual = residual / divisor if left_out is None else residual.div_(divisor)
+        if settings.method == "exact":
+            u, s, vh = _svd(residual)
+            u, s, vh = u[..., :k], s[..., :k], vh[..., :k, :]
+        else:
+            u, s, vh = svd_auto(residual, k)
     if largest is None:
         largest = s[..., :1]
     null = _null_mask(s, rtol, largest)

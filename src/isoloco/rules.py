@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections import Counter
 from typing import Any, Callable, Literal
 
 import torch
@@ -63,6 +64,8 @@ class Knobs:
     common_fraction: float = 0.8
     iso: IsoSettings = IsoSettings()
     factors: FactorSettings = FactorSettings()
+    #: Where TSV and Iso-CTS count the path each worker's factors took (`ortho.FACTOR_PATHS`).
+    factor_paths: Counter | None = dataclasses.field(default=None, compare=False)
 
 
 def _put(buffer: torch.Tensor, term: torch.Tensor, slot: WorkerSlot) -> None:
@@ -104,9 +107,12 @@ def trim_threshold(delta: torch.Tensor, density: float) -> torch.Tensor:
     return torch.kthvalue(magnitude, kth + 1).values
 
 
-def trim(delta: torch.Tensor, density: float) -> torch.Tensor:
-    """Keep the max(1, ⌊density·numel⌋) entries of largest magnitude, zero the rest."""
-    return torch.where(delta.abs() >= trim_threshold(delta, density), delta, torch.zeros_like(delta))
+def trim(delta: torch.Tensor, density: float, threshold: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep the max(1, ⌊density·numel⌋) entries of largest magnitude (those at least
+    `threshold`, `trim_threshold` unless given), zero the rest."""
+    if threshold is None:
+        threshold = trim_threshold(delta, density)
+    return torch.where(delta.abs() >= threshold, delta, 0)  # a scalar 0: no zero tensor beside the delta
 
 
 def ties_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]:
@@ -119,13 +125,14 @@ def ties_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]:
     """
 
     def trimmed_sum(buffer, delta, slot, state):
-        threshold = slot.memo["threshold"] = trim_threshold(delta, knobs.density)
-        _put(buffer, torch.where(delta.abs() >= threshold, delta, torch.zeros_like(delta)), slot)
+        slot.memo["threshold"] = trim_threshold(delta, knobs.density)
+        _put(buffer, trim(delta, knobs.density, slot.memo["threshold"]), slot)
 
     def agreeing(buffer, delta, slot, positive):
-        kept = delta.abs() >= slot.memo["threshold"]
-        agrees = kept & torch.where(positive, delta > 0, delta < 0)
-        _put(buffer[0], delta * agrees, slot)
+        # Kept (|Δ| ≥ t) with the elected sign, from comparisons alone: no |Δ| beside the delta.
+        threshold = slot.memo["threshold"]
+        agrees = torch.where(positive, delta >= threshold, delta <= -threshold).logical_and_(delta != 0)
+        _put(buffer[0], torch.where(agrees, delta, 0), slot)  # Δ·mask would first make a float copy of the mask
         _put(buffer[1], agrees if slot.weight == 1 else agrees * slot.weight, slot)
 
     return [Phase("sum", tuple(shape), trimmed_sum, lambda total, state: total >= 0),
@@ -134,9 +141,10 @@ def ties_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]:
 
 def _agreeing_mean(totals: torch.Tensor, state: Any) -> torch.Tensor:
     """The agreeing entries' sum over their count; where none agree the sum is 0 and stays 0
-    (weighted counts may be below 1, so the count is not clamped to 1)."""
+    (weighted counts may be below 1, so the count is not clamped to 1). The counts are the
+    rule's own buffer, set to 1 in place where zero: one tensor fewer at the rule's peak."""
     counts = totals[1]
-    return totals[0] / torch.where(counts > 0, counts, torch.ones_like(counts))
+    return totals[0] / counts.masked_fill_(counts == 0, 1)
 
 
 # ------------------------------------------------------------------------------ DARE
@@ -237,7 +245,7 @@ def tsv_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]:
     k = tsv_components(min(rows, cols), workers)
 
     def factors(buffer, delta, slot, state):
-        buffer.copy_(_pack(*top_factors(delta, k, knobs.factors)))
+        buffer.copy_(_pack(*top_factors(delta, k, knobs.factors, paths=knobs.factor_paths)))
 
     def join(stacked, state):
         u, s, v = _unpack(stacked, rows)
@@ -287,7 +295,7 @@ def iso_cts_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]
             # The residual Δ_r/R − U_c U_cᵀ Δ_r/R; it is judged null against its delta
             # (‖Δ_r/R‖_F bounds its largest σ).
             buffer.copy_(_pack(*top_factors(delta, per_worker, knobs.factors, delta.norm() / workers,
-                                            left_out=block[0], divisor=workers)))
+                                            left_out=block[0], divisor=workers, paths=knobs.factor_paths)))
 
         def join(stacked, block):
             u_w, s_w, v_w = _unpack(stacked, rows)
@@ -314,14 +322,15 @@ class Rule:
     phases: Callable[[torch.Size, int, Knobs], list[Phase]]
     spectral: bool = False
     finalize: Callable[[torch.Tensor, Knobs], torch.Tensor] | None = None
+    factored: bool = False  # each worker sends its top singular triplets (`ortho.top_factors`)
 
 
 RULES: dict[str, Rule] = {
     "mean": Rule(mean_phases),
     "ties": Rule(ties_phases),
     "dare": Rule(dare_phases),
-    "tsv": Rule(tsv_phases, spectral=True),
+    "tsv": Rule(tsv_phases, spectral=True, factored=True),
     # Iso-C: the mean (one all-reduce), then the pure correction of it.
     "iso_c": Rule(mean_phases, spectral=True, finalize=lambda merged, knobs: iso_correct(merged, knobs.iso)),
-    "iso_cts": Rule(iso_cts_phases, spectral=True),
+    "iso_cts": Rule(iso_cts_phases, spectral=True, factored=True),
 }
