@@ -38,6 +38,15 @@ def test_required_keys_exist_and_help_lists_every_key(capsys):
     (["no-such-preset"], "preset 'no-such-preset' is not known"),
     (["inner.optimizer=lion"], "inner.optimizer='lion'"),
     (["quick", "steps"], "not a key=value override"),
+    (["workers=2", "worker_speeds=1,0.5,0.25"],
+     "worker_speeds=1,0.5,0.25 lists 3 speeds for workers=2, and the speeds after the first 2 would be ignored: "
+     "give at most 2"),
+    (["merge.compress_rank=4"], "merge.compress_rank=4 is ignored with merge.compress=none: it applies only with "
+                                "merge.compress=lowrank; add merge.compress=lowrank, or drop merge.compress_rank"),
+    (["merge.compress=lowrank", "merge.compress_density=0.1"],
+     "merge.compress_density=0.1 is ignored with merge.compress=lowrank: it applies only with merge.compress=topk"),
+    (["merge.compress_chunk=1024"], "merge.compress_chunk=1024 is ignored with merge.compress=none"),
+    (["eval_every=-1"], "eval_every=-1 is not allowed: it must be >= 0"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
     out = tmp_path / "run"
@@ -92,6 +101,17 @@ def _dry_run(capsys, *args: str) -> dict:
     assert main(["train", *args, "--dry-run"]) == 0
     out = capsys.readouterr().out
     return yaml.safe_load(out)
+
+
+def test_a_compression_knob_with_its_compression_and_speeds_for_every_worker_are_taken(tmp_path, capsys):
+    cfg = _dry_run(capsys, "merge.compress=topk", "merge.compress_density=0.01", "merge.compress_chunk=1024",
+                   "workers=2", "worker_speeds=1,0.5", "--out", str(tmp_path / "run"))
+    assert (cfg["merge"]["compress_density"], cfg["merge"]["compress_chunk"], cfg["worker_speeds"]) == (
+        0.01, 1024, [1.0, 0.5])
+    # A preset's file writes every key: a saved config.yaml resumes whatever its compression.
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(yaml.safe_dump(to_dict(resolve(None, {}))))
+    assert _dry_run(capsys, str(saved), "--out", str(tmp_path / "run"))["merge"]["compress_rank"] == 4
 
 
 def test_overrides_on_a_bare_command_apply_on_top_of_the_quick_preset(tmp_path, capsys):

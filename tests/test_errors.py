@@ -5,7 +5,7 @@ import logging
 from isoloco import logs
 from isoloco.cli import main
 from isoloco.errors import (EXIT_PEER_LOST, CheckpointError, ConfigError, NonFiniteDeltaError, PeerLostError,
-                            describe)
+                            describe, first_line)
 
 logger = logging.getLogger("isoloco.test")
 
@@ -45,3 +45,17 @@ def test_other_ranks_say_their_own_warnings_marked_with_their_rank(monkeypatch, 
     logger.info("started")
     logger.warning("svd retried in float64")
     assert capsys.readouterr().err.splitlines() == ["warning: [rank 1] svd retried in float64"]
+
+
+def test_a_backend_error_becomes_its_first_sentence_without_the_source_path():
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                        "[127.0.0.1]:36239. This is typically caused by a remote worker crashing. Check the logs of "
+                        "the remote worker before reporting an error. GLHF! 🏖️")
+    assert first_line(gloo) == "Connection closed by peer [127.0.0.1]:36239"
+    assert first_line(ValueError("bad value. See the docs.\nmore")) == "bad value. See the docs."
+
+
+def test_a_long_line_is_cut_at_a_word():
+    words = " ".join(f"word{i}" for i in range(100))
+    line = first_line(RuntimeError(words))
+    assert len(line) <= 200 and line.endswith(" ...") and words.startswith(line[:-4] + " ")

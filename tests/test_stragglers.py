@@ -175,6 +175,12 @@ def test_a_slow_worker_takes_the_first_steps_of_its_round_on_its_own_rows(tmp_pa
     assert sorted(rows) == sorted((s, w) for w, taken in steps.items() for s in taken)
     records = [m for m in read_metrics(out / "metrics.jsonl") if "worker_steps" in m]
     assert [(m["worker_steps"], m["workers_merged"]) for m in records] == [([4, 2, 4, 2], 4)] * 2
+    # Tokens are those trained: each worker-step is a worker's 2 rows of 32 tokens; a skipped step trains none.
+    taken = [at for at_steps in steps.values() for at in at_steps]
+    assert [m["tokens"] for m in read_metrics(out / "metrics.jsonl")] == [
+        64 * sum(at < step for at in taken) for step in range(1, 9)]
+    summary = trainer.summary()
+    assert (summary["tokens"], summary["tokens_scheduled"]) == (64 * len(taken), 8 * 8 * 32) == (1536, 2048)
     # A step's loss is the mean over the workers that took it: all four, then the fast two.
     assert all(m["train_loss"] == m["train_loss"] for m in read_metrics(out / "metrics.jsonl"))
 
@@ -218,6 +224,9 @@ def test_a_late_workers_delta_is_dropped_and_the_others_averaged(tmp_path):
         torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-6)
     record = [m for m in read_metrics(trainer.out_dir / "metrics.jsonl") if "workers_merged" in m][0]
     assert record["workers_merged"] == 3 and record["worker_steps"] == [3] * 4
+    assert record["late_workers"] == [late] and "carried_joined" not in record  # nothing is carried
+    # The bytes sent follow the three workers who sent; each sends the whole model once (float32).
+    assert record["bytes_sent"] == 3 * record["bytes_per_worker"] == 3 * 4 * trainer.num_params
     # Its inner optimizer state is kept (torchft's replica that misses a commit keeps its own).
     assert trainer.workers[late].optimizer.state_dicts()[0]["state"]
 
@@ -235,8 +244,10 @@ def test_a_carried_delta_joins_the_next_merge_down_weighted(tmp_path):
         round0 = sum(store[(0, w)][i] for w in arrived) / 3
         round1 = (sum(store[(3, w)][i] for w in range(4)) + 0.25 * store[(0, late)][i]) / 4
         torch.testing.assert_close(after, before - round0 - round1, rtol=1e-5, atol=1e-6)
-    assert [m["workers_merged"] for m in read_metrics(trainer.out_dir / "metrics.jsonl")
-            if "workers_merged" in m] == [3, 4]
+    records = [m for m in read_metrics(trainer.out_dir / "metrics.jsonl") if "workers_merged" in m]
+    assert [(m["workers_merged"], m["late_workers"], m["carried_joined"]) for m in records] == [
+        (3, [late], []), (4, [], [late])]
+    assert [m["bytes_sent"] for m in records] == [3 * 4 * trainer.num_params, 4 * 4 * trainer.num_params]
 
 
 def test_a_delta_carried_two_rounds_is_down_weighted_once_per_round_it_waited(tmp_path):
@@ -255,8 +266,9 @@ def test_a_delta_carried_two_rounds_is_down_weighted_once_per_round_it_waited(tm
         carried = 0.25 ** 2 * store[(0, late)][i] + 0.25 * store[(3, late)][i]
         round2 = (sum(store[(6, w)][i] for w in range(4)) + carried) / 4
         torch.testing.assert_close(after, before - round0 - round1 - round2, rtol=1e-5, atol=1e-6)
-    assert [m["workers_merged"] for m in read_metrics(trainer.out_dir / "metrics.jsonl")
-            if "workers_merged" in m] == [3, 3, 4]
+    records = [m for m in read_metrics(trainer.out_dir / "metrics.jsonl") if "workers_merged" in m]
+    assert [(m["workers_merged"], m["late_workers"], m["carried_joined"]) for m in records] == [
+        (3, [late], []), (3, [late], []), (4, [], [late])]
 
 
 def test_a_round_nobody_arrives_in_leaves_the_model_unchanged(tmp_path, caplog):

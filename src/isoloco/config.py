@@ -510,7 +510,10 @@ def resolve(preset: str | None, overrides: dict[str, Any]) -> TrainConfig:
     apply_values(cfg, overrides)
     cfg.method = method
     cfg.validate()
-    refuse_ignored_keys(cfg, [*preset_values, *(per_method.get(method) and flatten(per_method[method]) or {}),
+    # A preset file may write every key (a run's config.yaml): only its values off the defaults count as given.
+    written = {**preset_values, **flatten(per_method.get(method, {}) or {})}
+    defaults = flatten(to_dict(TrainConfig()))
+    refuse_ignored_keys(cfg, [*(key for key, value in written.items() if value != defaults.get(ALIASES.get(key, key))),
                               *overrides])
     return cfg
 

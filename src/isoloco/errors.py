@@ -85,10 +85,14 @@ FIRST_LINE_CHARS = 200
 
 
 def first_line(error: BaseException) -> str:
-    """A third-party exception as one short line, for messages that must fit on one line:
-    its first line without a backend's source location, cut at a word if too long."""
+    """A third-party exception as one short line, for messages that must fit on one line: its
+    first line; from a C++ backend, its first sentence without the source location (gloo adds
+    advice to check the remote worker's logs, which the message this goes into gives); cut at a
+    word if still too long."""
     text = str(error).strip().splitlines()
-    line = _SOURCE_LOCATION.sub("", text[0]) if text else ""
+    line = text[0] if text else ""
+    if _SOURCE_LOCATION.match(line):
+        line = _SOURCE_LOCATION.sub("", line).split(". ")[0]
     line = line or type(error).__name__
     if len(line) <= FIRST_LINE_CHARS:
         return line
