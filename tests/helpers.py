@@ -41,6 +41,25 @@ def assert_close_relative(ours: list[torch.Tensor], reference: list[torch.Tensor
         assert error <= rtol, f"{name}: relative error {error:.2e}"
 
 
+def run_threads(fn, count: int) -> None:
+    """fn(rank) for rank 0..count−1, each on a thread of its own (simulated processes); the first
+    error any of them raised fails the caller."""
+    errors: list = []
+
+    def run(rank: int) -> None:
+        try:
+            fn(rank)
+        except BaseException as error:  # noqa: BLE001 — reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+
+
 class ProcessGroup:
     """Processes simulated by threads that exchange tensors through shared slots."""
 

@@ -2,8 +2,6 @@
 simulator (every worker an island), and islands of one or several workers talking through an
 all-to-all and an all-gather (threads standing in for processes)."""
 
-import threading
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from isoloco.comm import LocalCommunicator
 from isoloco.sync.codec import Quantization, dequantize, error_bound, quantize
 from isoloco.sync.compressed import choose_route, wire_bytes_per_process
 from isoloco.sync.cost import wire_bytes
-from helpers import ProcessGroup, reference_sum
+from helpers import ProcessGroup, reference_sum, run_threads
 
 FORMATS = ["none", "bf16", "int8", "int4"]
 SHAPES = {"wide.weight": (10, 300), "tall.weight": (90, 8), "norm.weight": (8,)}
@@ -83,23 +81,14 @@ def run_islands(cfg: merge.MergeConfig, deltas: dict[str, list[torch.Tensor]], i
     mergers = mergers or island_mergers(cfg, islands, workers)
     comms = [m.comm for m in mergers]
     results: list = [None] * islands
-    errors: list = []
 
     def run(rank: int) -> None:
-        try:
-            ids = comms[rank].local_worker_ids
-            mine = {name: [ds[i] for i in ids] for name, ds in deltas.items()}
-            kept = None if residuals is None else {name: [rs[i] for i in ids] for name, rs in residuals.items()}
-            results[rank] = mergers[rank].merge_all(mine, round, residuals=kept)
-        except BaseException as error:  # noqa: BLE001 — reported by the main thread
-            errors.append(error)
+        ids = comms[rank].local_worker_ids
+        mine = {name: [ds[i] for i in ids] for name, ds in deltas.items()}
+        kept = None if residuals is None else {name: [rs[i] for i in ids] for name, rs in residuals.items()}
+        results[rank] = mergers[rank].merge_all(mine, round, residuals=kept)
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(islands)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_threads(run, islands)
     return results
 
 

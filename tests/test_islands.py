@@ -5,8 +5,6 @@ stages that never stop the host to read a tensor.
 The oracles are float64 sums of what the workers meant and plain loops (`helpers.reference_sum`);
 the processes are threads (`helpers.ProcessGroup`), islands of one or two of them."""
 
-import threading
-
 import pytest
 import torch
 
@@ -16,7 +14,7 @@ from isoloco.sync.codec import Quantization, shard_ranges
 from isoloco.sync.compressed import choose_route
 from isoloco.sync.handles import run_to_end
 
-from helpers import ProcessGroup, reference_sum
+from helpers import ProcessGroup, reference_sum, run_threads
 
 SHAPES = {"wide.weight": (12, 40), "tall.weight": (30, 6), "norm.weight": (7,)}
 #: Each compressor with int8 or int4 values and error feedback.
@@ -150,27 +148,18 @@ def thread_rounds(cfg: MergeConfig, islands: int, slices: int, rounds: int, arri
     mergers = [Merger(cfg, comm, seed=3) for comm in comms]
     residuals = [zeros(islands) for _ in comms]  # each process holds its own copy of every island's
     out: list = [[None] * len(comms) for _ in range(rounds)]
-    errors: list = []
 
     def run(rank: int) -> None:
-        try:
-            ids = comms[rank].local_worker_ids
-            for t in range(rounds):
-                deltas = round_deltas(islands, t)
-                mine = {name: [ds[w] for w in ids] for name, ds in deltas.items()}
-                kept = {name: [rs[w] for w in ids] for name, rs in residuals[rank].items()}
-                merged = run_to_end(mergers[rank].start(mine, t, residuals=kept,
-                                                        participation=Participation(tuple(arrived(t)))).steps)
-                out[t][rank] = (merged, {name: [r.clone() for r in rs] for name, rs in kept.items()})
-        except BaseException as error:  # noqa: BLE001 — reported by the main thread
-            errors.append(error)
+        ids = comms[rank].local_worker_ids
+        for t in range(rounds):
+            deltas = round_deltas(islands, t)
+            mine = {name: [ds[w] for w in ids] for name, ds in deltas.items()}
+            kept = {name: [rs[w] for w in ids] for name, rs in residuals[rank].items()}
+            merged = run_to_end(mergers[rank].start(mine, t, residuals=kept,
+                                                    participation=Participation(tuple(arrived(t)))).steps)
+            out[t][rank] = (merged, {name: [r.clone() for r in rs] for name, rs in kept.items()})
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(comms))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_threads(run, len(comms))
     return out
 
 

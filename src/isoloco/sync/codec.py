@@ -20,7 +20,8 @@ its magnitude (``bf16``); see `error_bound`.
 
 Error feedback (`compress_with_feedback`) keeps what a worker's compression lost and adds it to
 its next pseudo-gradient, so nothing is lost for good: over T rounds the values sent add up to
-the values meant minus the last residual.
+the values meant minus the last residual. The compressed sum across islands keeps the same
+promise for every rounding on its way (`isoloco.sync.phase`).
 
 `carry_refusal` is the codec's say on a rule: it carries a rule whose every collective is a
 sum that tolerates rounding, and says in one line why not otherwise.

@@ -20,15 +20,22 @@ cut (every step works on whole scale groups):
 
     exchange: deq(q(Σ_i deq(q(x_i))))        gather: Σ_i deq(q(x_i))        (sums in island order)
 
-so a run gives the same numbers whatever the number of processes per island G, and
-`reference_sum` computes them in one process. Runs with other island counts differ by at most
+so a run gives the same numbers whatever the number of processes per island G, and the
+simulator, which plays every island in one process through these same steps
+(`isoloco.sync.islands.PlayedIslands`), gives a distributed run's bits. The number of islands,
+not of workers that arrived, picks the route. Runs with other island counts differ by at most
 the rounding bound: Σ_i s_i/2 (+ s_r/2 for the exchange), s the scale of an entry's group in
 each wire (`isoloco.sync.codec.error_bound`). With G > 1 processes per island, process j of an
 island carries its slice j of the chunks (the island's processes hold the same sum) and the
 island all-gathers the decoded slices over its fast link.
 
-Error feedback: the island keeps x_i − deq(q(x_i)) and adds it to its next sum; the owner's
-re-encoding of the total (``exchange``) has no residual of its own.
+Each tensor is encoded once and its wire sliced into chunks (`Wire.slice`), and nothing here
+reads a tensor on the host, so a stage can overlap training on a GPU's side stream.
+
+Error feedback (`island_sum`'s `keep` and `Rounding`): the island keeps x_i − deq(q(x_i)) and
+adds it to its next sum, and on the ``exchange`` route the owner of chunk p keeps what its
+re-encoding of the total lost there (every process of the island learns it when the island
+joins its slices), so no rounding is lost for good (`isoloco.sync.phase`).
 """
 
 from __future__ import annotations
