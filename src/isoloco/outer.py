@@ -323,7 +323,8 @@ class OuterStep:
         if participation is not None and len(set(participation.weights or (1.0,))) > 1:
             raise ValueError("outer.transport=sparseloco averages its workers alike: pass no unequal weights")
         arrived = None if participation is None else participation.arrived
-        local = [index for index, worker in enumerate(self.comm.local_worker_ids) if arrived is None or worker in arrived]
+        local = [index for index, worker in enumerate(self.comm.local_worker_ids)
+                 if arrived is None or worker in arrived]
         if local:
             bad = _first_non_finite([[deltas[index] for index in local] for deltas in local_deltas.values()])
             if bad is not None:
