@@ -204,3 +204,56 @@ def test_no_stage_reads_a_tensor_on_the_host(compressor, monkeypatch):
     result = run_to_end(sync.steps)
     monkeypatch.undo()
     assert set(result) == set(SHAPES)
+
+
+# -- four gloo processes ---------------------------------------------------------------------------
+
+
+GLOO_CASES = {f"{compressor}-{fmt}": config(compressor, fmt) for compressor, fmt in
+              [("dense", "int8"), ("dense", "int4"), ("lowrank", "int8"), ("topk", "int4")]}
+
+
+def gloo_arrivals(t: int) -> list[int]:
+    return [1, 2, 3] if t % 2 == 0 else [0, 2]  # two of four workers arrive in odd rounds
+
+
+def _gloo_islands(rank: int, world_size: int, port: int, root: str) -> None:
+    from isoloco.config import resolve
+    from isoloco.distributed import Distributed, process_group
+    from test_distributed import SMALL, _join_job
+
+    _join_job(rank, world_size, port)
+    cfg = resolve(None, {**SMALL, "method": "diloco", "workers": world_size, "dist.timeout_s": 60})
+    out = {}
+    with process_group(cfg):
+        for case, merge_cfg in GLOO_CASES.items():
+            comm = Distributed(cfg).comm
+            merger = Merger(merge_cfg, comm, seed=3)
+            residuals = zeros(world_size)
+            ids = comm.local_worker_ids
+            for t in range(3):
+                deltas = round_deltas(world_size, t)
+                kept = {name: [rs[w] for w in ids] for name, rs in residuals.items()}
+                merged = run_to_end(merger.start({name: [ds[w] for w in ids] for name, ds in deltas.items()}, t,
+                                                 residuals=kept,
+                                                 participation=Participation(tuple(gloo_arrivals(t)))).steps)
+                out[(case, t)] = (merged, {name: [r.clone() for r in rs] for name, rs in kept.items()})
+    torch.save(out, f"{root}/islands.{rank}.pt")
+
+
+@pytest.mark.multiprocess
+def test_four_gloo_processes_give_the_simulators_bits_with_late_workers(tmp_path):
+    """Four islands of one gloo process each against the simulator, two of four workers arrived
+    in odd rounds, int8 and int4 dense sums, low rank and top-k, with error feedback: the same
+    merged bits and residuals on every process, every round."""
+    from test_distributed import run_processes
+
+    run_processes(_gloo_islands, 4, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"islands.{rank}.pt") for rank in range(4)]
+    for case, merge_cfg in GLOO_CASES.items():
+        for t, _, merged, residuals in simulate(merge_cfg, 4, 3, arrived=gloo_arrivals):
+            for rank, got in enumerate(ranks):
+                merged_here, kept = got[(case, t)]
+                for name in SHAPES:
+                    assert torch.equal(merged_here[name], merged[name]), (case, t, rank, name)
+                    assert torch.equal(kept[name][0], residuals[name][rank]), (case, t, rank, name)
