@@ -2,6 +2,7 @@
 sane figures (positive, finite ratios; exact byte counts). Nothing here is timed."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -207,3 +208,23 @@ def test_goodput_counts_a_carried_late_round_only_when_its_worker_arrives_later(
                    for r in range(rounds) for w in range(drop.workers))
         assert work_kept(carry) == 1 - lost / (rounds * drop.workers)
         assert work_kept(late_config("diloco", "none", quick)) == 1
+
+
+def test_goodput_sends_what_its_runs_write_to_its_log_file(tmp_path):
+    """By file descriptor: Python's prints and a child process's writes (as torchft's lighthouse
+    and managers make) reach the log, and nothing reaches the terminal until it is restored."""
+    import subprocess
+
+    log = tmp_path / "goodput.log"
+    script = (f"import os, subprocess, sys\n"
+              f"from pathlib import Path\n"
+              f"from isoloco.bench.goodput import output_to\n"
+              f"print('before', flush=True)\n"
+              f"with output_to(Path({str(log)!r})):\n"
+              f"    print('from python')\n"
+              f"    print('to stderr', file=sys.stderr)\n"
+              f"    subprocess.run([sys.executable, '-c', 'import os; os.write(1, b\"from a child\\\\n\")'])\n"
+              f"print('after')\n")
+    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert (shown.stdout, shown.stderr) == ("before\nafter\n", "")
+    assert log.read_text() == "from python\nto stderr\nfrom a child\n"

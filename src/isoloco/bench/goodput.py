@@ -1,7 +1,9 @@
 """Goodput: how much of the machines' time ends up in the model when replica groups die and
 workers miss rounds, for the mean, Iso-C and TSV under the same faults.
 
-`python -m isoloco.bench --only goodput [--quick]` prints two tables.
+`python -m isoloco.bench --only goodput [--quick]` prints two tables. What the runs themselves
+write (torchft's lighthouse and managers, their HTTP access lines, torch's and isoloco's
+warnings) goes to a log file, named on stderr before the runs start, so the tables fit on one screen.
 
 **Killed replica groups (torchft).** Two replica groups train the `tiny` model under torchft's
 DiLoCo (`isoloco.torchft.replica`, gloo on this machine) behind a lighthouse that lets one group
@@ -25,12 +27,15 @@ kept when it is carried to a round the worker arrives in.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import signal
 import statistics
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -40,6 +45,8 @@ from isoloco.bench.table import Table, percent
 from isoloco.config import TrainConfig, resolve
 from isoloco.data import load_token_data
 from isoloco.trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 #: The rules compared, by the method that runs each.
 METHODS = {"mean": "diloco", "Iso-C": "isoloco", "TSV": "tsv"}
@@ -289,7 +296,33 @@ def late_workers_table(quick: bool) -> Table:
     return table
 
 
+@contextmanager
+def output_to(path: Path) -> Iterator[None]:
+    """Send what this process and the processes it starts write to stdout and stderr to `path`,
+    by file descriptor, so that the writes of torchft's Rust and torch's C++ go there too."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with path.open("a") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
 def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
     del repeats, device  # one run per case, on the CPU (torchft's groups talk over gloo)
-    yield killed_groups_table(quick)
-    yield late_workers_table(quick)
+    handle, name = tempfile.mkstemp(prefix="isoloco-goodput-", suffix=".log")
+    os.close(handle)
+    log = Path(name)
+    logger.info("goodput: the runs' own output (torchft's lighthouse and managers, warnings) goes to %s", log)
+    for table in (killed_groups_table, late_workers_table):
+        with output_to(log):
+            computed = table(quick)
+        yield computed
