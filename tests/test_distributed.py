@@ -511,8 +511,10 @@ if os.environ["RANK"] == "1":
 
         return posted
 
-    for name in ("all_reduce", "all_gather", "all_to_all_single", "broadcast", "barrier"):
-        setattr(dist, name, refused_after_the_failure(name))
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_all_single",
+                 "broadcast", "barrier"):
+        if hasattr(dist, name):
+            setattr(dist, name, refused_after_the_failure(name))
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -654,8 +656,10 @@ def test_emulated_link_seconds_and_bad_values():
 #: each island's traffic split in 2), 2 islands of 3 (the all-gather route, split in 3).
 MANY_ISLANDS = {"processes": 6, "workers": 6, "layouts": (1, 2, 3), "formats": ("int8", "int4")}
 COMPRESSED_SHAPES = {"wide.weight": (24, 300), "tall.weight": (130, 7), "norm.weight": (24,)}
-COLLECTIVES = ("all_reduce", "all_gather", "all_to_all_single", "broadcast", "all_gather_into_tensor",
-               "reduce_scatter_tensor", "barrier")
+COLLECTIVES = tuple(name for name in ("all_reduce", "all_gather", "all_to_all_single", "broadcast",
+                                      "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+                                      "barrier")
+                    if hasattr(torch.distributed, name))  # all_gather_single: torch >= 2.13
 
 
 #: merge.compress settings the six processes merge in every layout, two rounds each (warm start, residuals).

@@ -56,8 +56,9 @@ class DistConfig:
 
     emulate_link: str = option(
         "", "for measurements on one machine: GBPS,MS makes every collective between islands take as long as "
-            "on a link of GBPS Gbit/s and MS ms latency (its wire bytes at that rate, plus the latency); an "
-            "emulation on top of loopback, not a network; empty: off")
+            "on a link of GBPS Gbit/s and MS ms latency (its wire bytes at that rate, plus the latency for each "
+            "latency-bound step of its ring algorithm: 2(P−1) for an all-reduce over P islands, P−1 for the others); "
+            "an emulation on top of loopback, not a network; empty: off")
 
     def validate(self) -> None:
         check_at_least("dist.gpus_per_worker", self.gpus_per_worker, 1)

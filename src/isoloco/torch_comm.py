@@ -26,17 +26,18 @@ from isoloco.sync.handles import Pending
 
 class EmulatedLink:
     """A slow link between islands, emulated on one machine: a collective's result is held
-    back until the link, busy with the collectives before it, would have delivered it (one
-    latency per collective plus its wire bytes at the link's rate)."""
+    back until the link, busy with the collectives before it, would have delivered it, after
+    the seconds the cost model charges it (`isoloco.sync.cost.Link.collective_seconds`)."""
 
     def __init__(self, gbps: float, latency_ms: float) -> None:
         self.link = Link(bandwidth=gbps * 1e9 / 8, latency=latency_ms / 1000)
         self._free_at = 0.0
 
-    def deliver_at(self, wire: float) -> float:
-        """When a collective putting `wire` bytes on the link, started now, is delivered."""
+    def deliver_at(self, kind: str, wire: float, processes: int) -> float:
+        """When a collective of `kind` over `processes` putting `wire` bytes on the link,
+        started now, is delivered."""
         begins = max(time.perf_counter(), self._free_at)
-        self._free_at = begins + self.link.transfer_seconds(wire)
+        self._free_at = begins + self.link.collective_seconds(kind, wire, processes)
         return self._free_at
 
 
@@ -133,54 +134,44 @@ class TorchCommunicator(Communicator):
         if self._peers is None:
             return Pending.done(tensor)
         part = self._slice(tensor)
-        wire = self._cross("all_reduce", nbytes(part))
-        with collective("merge all-reduce"):
-            work = dist.all_reduce(part, group=self._peers, async_op=True)
-        return Pending([_Labelled(work, "merge all-reduce")],
-                       lambda: self._joined(part, tensor.numel()).view_as(tensor), self._delivery(wire))
+        ready_at = self._cross("all_reduce", nbytes(part))
+        work = _post("merge all-reduce", [part], lambda: dist.all_reduce(part, group=self._peers, async_op=True))
+        return Pending([work], lambda: self._joined(part, tensor.numel()).view_as(tensor), ready_at)
 
     def _start_gather(self, tensors: list[torch.Tensor]) -> Pending[list[torch.Tensor]]:
         if self._peers is None:
             return Pending.done(list(tensors))
         local = torch.stack(tensors)
         part = self._slice(local)
-        wire = self._cross("all_gather", nbytes(part))
-        blocks = [torch.empty_like(part) for _ in range(self._layout.islands)]
-        with collective("merge all-gather"):
-            work = dist.all_gather(blocks, part, group=self._peers, async_op=True)
+        ready_at = self._cross("all_gather", nbytes(part))
+        work, blocks = _all_gather("merge all-gather", part, self._peers, self._layout.islands)
 
         def finish() -> list[torch.Tensor]:
             # Island i's block holds its workers' tensors, so the rows come in global worker order.
-            gathered = self._joined(torch.stack(blocks), local.numel())
+            gathered = self._joined(blocks, local.numel())
             return list(gathered.reshape(-1, *local.shape[1:]).unbind(0))
 
-        return Pending([_Labelled(work, "merge all-gather")], finish, self._delivery(wire))
+        return Pending([work], finish, ready_at)
 
     def exchange(self, send: torch.Tensor, send_sizes: list[int], receive_sizes: list[int]) -> Pending[list[torch.Tensor]]:
         received = torch.empty(sum(receive_sizes), dtype=send.dtype, device=send.device)
-        wire = self._cross("all_to_all", nbytes(send) - send_sizes[self.island] * send.element_size(),
-                           handed=nbytes(send))
-        with collective("compressed-sum all-to-all"):
-            work = dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=self._peers,
-                                          async_op=True)
-        return Pending([_Labelled(work, "compressed-sum all-to-all")],
-                       lambda: list(torch.split(received, receive_sizes)), self._delivery(wire))
+        ready_at = self._cross("all_to_all", nbytes(send) - send_sizes[self.island] * send.element_size(),
+                               handed=nbytes(send))
+        work = _post("compressed-sum all-to-all", [send, received],
+                     lambda: dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=self._peers,
+                                                    async_op=True))
+        return Pending([work], lambda: list(torch.split(received, receive_sizes)), ready_at)
 
     def gather_peers(self, blob: torch.Tensor) -> Pending[list[torch.Tensor]]:
-        wire = self._cross("all_gather", nbytes(blob))
-        blocks = [torch.empty_like(blob) for _ in range(self._layout.islands)]
-        with collective("compressed-sum all-gather"):
-            work = dist.all_gather(blocks, blob, group=self._peers, async_op=True)
-        return Pending([_Labelled(work, "compressed-sum all-gather")], lambda: blocks, self._delivery(wire))
+        ready_at = self._cross("all_gather", nbytes(blob))
+        work, blocks = _all_gather("compressed-sum all-gather", blob, self._peers, self._layout.islands)
+        return Pending([work], lambda: _blocks(blocks), ready_at)
 
     def join_island(self, part: torch.Tensor) -> Pending[list[torch.Tensor]]:
         if self._slices == 1:
             return Pending.done([part])
-        self.record("in_island", nbytes(part), wire_bytes("all_gather", nbytes(part), self._slices))
-        blocks = [torch.empty_like(part) for _ in range(self._slices)]
-        with collective("island all-gather"):
-            work = dist.all_gather(blocks, part, group=self._island, async_op=True)
-        return Pending([_Labelled(work, "island all-gather")], lambda: blocks)
+        work, slots = self._gather_in_island(part)
+        return Pending([work], lambda: _blocks(slots))
 
     def _slice(self, tensor: torch.Tensor) -> torch.Tensor:
         """This process's slice of `tensor` flattened (equal slices, the last zero-padded), so
@@ -196,22 +187,23 @@ class TorchCommunicator(Communicator):
         (..., numel), the leading dimensions being those the exchange added."""
         if self._slices == 1:
             return exchanged
-        self.record("in_island", nbytes(exchanged), wire_bytes("all_gather", nbytes(exchanged), self._slices))
-        blocks = [torch.empty_like(exchanged) for _ in range(self._slices)]
-        with collective("island all-gather"):
-            dist.all_gather(blocks, exchanged, group=self._island)
-        return torch.cat(blocks, dim=-1)[..., :numel]
+        work, slots = self._gather_in_island(exchanged)
+        work.wait()
+        # Slot j holds slice j of every row: each row's slices side by side, in slot order.
+        return slots.movedim(0, -2).reshape(*exchanged.shape[:-1], -1)[..., :numel]
+
+    def _gather_in_island(self, part: torch.Tensor) -> tuple[_Labelled, torch.Tensor]:
+        """Count and start the island's all-gather of each process's `part` (`_all_gather`)."""
+        self.record("in_island", nbytes(part), wire_bytes("all_gather", nbytes(part), self._slices))
+        return _all_gather("island all-gather", part, self._island, self._slices)
 
     def _cross(self, kind: str, size: int, handed: int | None = None) -> float:
         """Count one collective of `kind` across islands sending `size` bytes (`handed` given
-        to it, by default `size`); returns its wire bytes."""
+        to it, by default `size`); returns when an emulated slow link delivers it (0: no
+        emulation)."""
         wire = wire_bytes(kind, size, self._layout.islands)
         self.record("cross_island", size if handed is None else handed, wire)
-        return wire
-
-    def _delivery(self, wire: float) -> float:
-        """When an emulated slow link delivers a collective of `wire` bytes started now (0: no emulation)."""
-        return self._link.deliver_at(wire) if self._link is not None else 0.0
+        return self._link.deliver_at(kind, wire, self._layout.islands) if self._link is not None else 0.0
 
     def shard_map_async(self, fn: Callable[[torch.Tensor], torch.Tensor],
                         tensors: list[torch.Tensor]) -> Pending[list[torch.Tensor]]:
@@ -234,18 +226,64 @@ class TorchCommunicator(Communicator):
                 results.append(torch.empty_like(tensor))
         # Every process joins every broadcast; the owner sends its results to the others.
         self.record("in_island", handed, wire_bytes("broadcast", handed, len(ranks)), calls=len(results))
-        with collective("broadcast of orthogonalised matrices"):
-            works = [dist.broadcast(result, src=owner, group=self._island, async_op=True)
-                     for owner, result in zip(owners, results)]
-        return Pending([_Labelled(work, "broadcast of orthogonalised matrices") for work in works], lambda: results)
+        works = [_post("broadcast of orthogonalised matrices", [result],
+                       lambda result=result, owner=owner: dist.broadcast(result, src=owner, group=self._island,
+                                                                         async_op=True))
+                 for owner, result in zip(owners, results)]
+        return Pending(works, lambda: results)
 
 
 class _Labelled:
-    """A torch.distributed `Work` whose failure says which collective it was (`collective`)."""
+    """A torch.distributed `Work` whose failure says which collective it was (`collective`),
+    holding the tensors the collective reads and writes until its wait.
 
-    def __init__(self, work: Any, what: str) -> None:
-        self._work, self._what = work, what
+    On a GPU, `InFlight` runs a synchronisation's stages on a side stream, and a stage may hand
+    a collective a tensor the main stream allocated (or the other way round). Each tensor is
+    marked in use by the stream that posts the collective (`record_stream`), so that once freed
+    its memory goes to no other stream before that one has passed its wait for the collective,
+    and it is held here so that it is not freed before the wait.
+    """
+
+    def __init__(self, work: Any, what: str, tensors: list[torch.Tensor]) -> None:
+        self._work, self._what, self._tensors = work, what, tensors
+        for tensor in tensors:
+            if tensor.is_cuda:
+                tensor.record_stream(torch.cuda.current_stream(tensor.device))
 
     def wait(self) -> None:
         with collective(self._what):
             self._work.wait()
+        self._tensors = []
+
+
+def _post(what: str, tensors: list[torch.Tensor], start: Callable[[], Any]) -> _Labelled:
+    """Start an async collective (`start()` returns its `Work`) on `tensors`, labelled `what`."""
+    with collective(what):
+        return _Labelled(start(), what, tensors)
+
+
+def _all_gather(what: str, part: torch.Tensor, group: dist.ProcessGroup, members: int) -> tuple[_Labelled, torch.Tensor]:
+    """Start an all-gather of every member's `part` into one tensor, without a list of blocks
+    to join afterwards; returns its handle and the result, shaped (members, *part.shape) once
+    the handle is waited for."""
+    flat = part.contiguous().view(-1)
+    gathered = flat.new_empty(members * flat.numel())
+    # torch 2.13 renamed all_gather_into_tensor, which then warns; torch >= 2.9 is supported.
+    start = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = _post(what, [flat, gathered], lambda: start(gathered, flat, group=group, async_op=True))
+    return work, gathered.view(members, *part.shape)
+
+
+#: Bytes a gathered block must start on to be read as any wider dtype (a uint8 blob's float32
+#: scales are viewed in place).
+_BLOCK_ALIGNMENT = 16
+
+
+def _blocks(gathered: torch.Tensor) -> list[torch.Tensor]:
+    """The blocks of an `_all_gather` result, in member order: views of it where every block
+    starts aligned, copies where a block's size leaves the next one's start unaligned (empty
+    blocks too: their views start one element apart)."""
+    blocks = list(gathered.unbind(0))
+    if all(block.storage_offset() * block.element_size() % _BLOCK_ALIGNMENT == 0 for block in blocks):
+        return blocks
+    return [block.clone() for block in blocks]

@@ -44,7 +44,7 @@ from isoloco.config import resolve
 from isoloco.distributed import Distributed, process_group
 from isoloco.merge import MergeConfig, Merger, wire_bytes_per_merge
 from isoloco.sync.codec import Quantization, wire_nbytes
-from isoloco.sync.cost import Link, latency_steps, wire_bytes
+from isoloco.sync.cost import Link, wire_bytes
 from isoloco.trainer import Trainer
 
 METHODS = ("diloco", "isoloco")
@@ -236,8 +236,8 @@ def results_tables(results: dict[str, dict[str, float]]) -> Iterator[Table]:
             f"H = {INNER_STEPS} steps of the `tiny` model per round, global batch 16 × 64 tokens, R = 2 workers, "
             f"each an island of 2 gloo processes on this machine; medians over rounds 2 to {ROUNDS - 1} of "
             f"{ROUNDS}. The link is emulated: each cross-island collective's result is held back until a link "
-            "busy with the ones before it would have delivered it, its latency plus its wire bytes at the "
-            "bandwidth (`dist.emulate_link`). With τ > 0 a round's synchronisation runs while the next round's "
+            "busy with the ones before it would have delivered it: its wire bytes at the bandwidth plus a "
+            "latency per latency-bound step of its algorithm (`dist.emulate_link`, `isoloco.sync.cost`). With τ > 0 a round's synchronisation runs while the next round's "
             "first τ steps train, and is counted in the round it lands in. "
             "Wire bytes and collectives: one process's, per synchronisation.")
         yield table
@@ -369,16 +369,16 @@ def planning_table(results: dict[str, dict[str, float]], links: list[float], met
             for bucketing in BUCKETING:
                 measured = results[_key(method, (gbps, LINKS[0][1]), bucketing, "none", 0)]
                 # A ring all-reduce over 2 members puts its whole tensor on each member's link
-                # (2(k − 1)/k of it), in as many messages as the merge makes collectives across.
+                # (2(k − 1)/k of it), once per collective the merge makes across.
                 crossing = measured["collectives_cross_island"]
-                planned = link.transfer_seconds(measured["wire_bytes_cross_island"],
-                                                round(crossing) * latency_steps("all_reduce", 2))
+                planned = link.collective_seconds("all_reduce", measured["wire_bytes_cross_island"], 2,
+                                                  round(crossing))
                 table.add(f"{gbps:g} Gbit/s", method, bucketing, f"{crossing:g}", f"{planned:.2f}",
                           f"{measured['sync_s']:.2f}", f"{measured['sync_s'] / planned:.2f}")
     table.notes.append(
         "Planned: the cost model's seconds (`isoloco.sync.cost.Link`) for a process's cross-island wire bytes over "
-        "2 islands, one message per collective that crosses (a ring of 2 members: 2 latency steps each; the "
-        "emulation charges one); "
+        "2 islands, a ring all-reduce per collective that crosses (2 latency steps each, as the emulation "
+        "charges); "
         "measured: the run's "
         "`sync_s`, which also holds the merge's own compute (IsoLoCo's orthogonalisations) and the in-island "
         "all-gathers over loopback.")

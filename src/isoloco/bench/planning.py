@@ -8,10 +8,12 @@ R islands of G processes (one worker per island) train H inner steps of B tokens
 at a compute throughput per process that is measured here when not given (a plain training
 loop of the preset on this machine's CPU, one thread). Each island reaches the others through
 one slow link (bandwidth per island, latency); its processes share a fast one. Collectives
-are rings: an all-reduce of n bytes over k members moves 2(k−1)/k·n bytes through each
-member's link in 2(k−1) latency-bound steps, an all-gather half that. A step's gradient
-buckets overlap (one latency chain per step); the merge's collectives, one per bucket of
-`merge.bucket_mb` (64 MiB), run one after another (a chain each). Times per round:
+cost what the one cost model says (`isoloco.sync.cost`: ring algorithms, each latency-bound
+step charged one latency; the emulated link charges the same): an all-reduce of n bytes over
+k members moves 2(k−1)/k·n bytes through each member's link in 2(k−1) steps, an all-gather
+half that. A step's gradient buckets overlap (one latency chain per step); the merge's
+collectives, one per bucket of `merge.bucket_mb` (64 MiB), run one after another (a chain
+each). Times per round:
 
 * data parallel, at its best (a hierarchical all-reduce that carries one copy over the slow
   link): every step, compute + the gradient all-reduce inside the island and across islands;

@@ -1,8 +1,11 @@
 """The one cost model of collectives: bytes each process puts on a link, and seconds on a link.
 
 Every count in isoloco (the metrics' `wire_bytes_*`, the link benchmark's predictions, the
-planning tables) comes from here. Collectives are the usual ring / pairwise algorithms over
-P processes:
+planning tables) comes from here, and so does every second: a collective takes its wire bytes
+at the link's bandwidth plus one latency per latency-bound step (`Link.collective_seconds`).
+The emulated slow link (`dist.emulate_link`) holds each collective back that long, and the
+planning tables (`isoloco.bench.planning`) and the link benchmark (`isoloco.bench.link`) plan
+with the same seconds. Collectives are the usual ring / pairwise algorithms over P processes:
 
 * all-reduce of an n-byte tensor: a reduce-scatter then an all-gather, 2(P−1)/P·n sent per
   process in 2(P−1) latency-bound steps;
@@ -48,12 +51,14 @@ class Link:
     bandwidth: float
     latency: float
 
-    def transfer_seconds(self, wire: float, steps: int = 1) -> float:
-        """Seconds to put `wire` bytes on this link in `steps` latency-bound steps."""
-        return wire / self.bandwidth + steps * self.latency
+    def collective_seconds(self, kind: str, wire: float, processes: int, calls: int = 1) -> float:
+        """Seconds of `calls` collectives of `kind` over `processes` members that put `wire`
+        bytes in all on this member's link: the bytes at the bandwidth, and a latency per
+        latency-bound step of each call."""
+        return wire / self.bandwidth + calls * latency_steps(kind, processes) * self.latency
 
     def seconds(self, kind: str, size: float, processes: int, messages: int = 1) -> float:
         """Seconds of `messages` collectives of `kind` moving `size` bytes in all over
         `processes` members (for an all-gather, `size` is the gathered result)."""
         block = size / processes if kind == "all_gather" else size
-        return self.transfer_seconds(wire_bytes(kind, block, processes), messages * latency_steps(kind, processes))
+        return self.collective_seconds(kind, wire_bytes(kind, block, processes), processes, messages)
