@@ -62,20 +62,35 @@ class _Copies:
         return torch.add(self.common, self.noise, alpha=0.5 + 0.01 * k)
 
 
-def merge_peak(rule: str, shape: tuple[int, int], workers: int, device: str) -> float:
-    """Peak extra memory of merging one `shape` parameter from `workers` workers, in deltas.
-    Meant to run in a process of its own (`fresh_process_peaks`)."""
+#: The compressed merge's rows: the mean with each integer codec and error feedback.
+COMPRESSED = {f"mean, {fmt} + error feedback": {"quantize": fmt, "error_feedback": True} for fmt in ("int8", "int4")}
+
+
+def merge_peak(rule: str, shape: tuple[int, int], workers: int, device: str, keys: dict | None = None) -> float:
+    """Peak extra memory of merging one `shape` parameter from `workers` workers, in deltas
+    (`keys`: more `merge.*` settings; with error feedback the workers' residuals are stored
+    state, fetched as copies like the deltas). Meant to run in a process of its own
+    (`fresh_process_peaks`)."""
     device = torch.device(device)
-    merger = Merger(MergeConfig(rule=rule), LocalCommunicator(workers), seed=0)
+    cfg = MergeConfig(rule=rule, **(keys or {}))
+    merger = Merger(cfg, LocalCommunicator(workers), seed=0)
+
+    def measured(copies: _Copies) -> float:
+        """The peak growth of one merge of `copies`, in bytes."""
+        residuals = {"weight": [torch.zeros_like(copies.common) for _ in range(workers)]} if cfg.error_feedback \
+            else None
+        before = start_span(device)
+        merged = merger.merge_all({"weight": copies.stored}, round=0, residuals=residuals,
+                                  fetch=lambda stored: copies.fetch(stored) if id(stored) in copies.index
+                                  else stored.clone())
+        growth = peak(device) - before
+        assert torch.isfinite(merged["weight"]).all()
+        return growth
+
     # A first small merge loads what the rule's code paths load once (kernels, LAPACK, numpy).
-    warm = _Copies((64, 48), workers, device)
-    merger.merge_all({"weight": warm.stored}, round=0, fetch=warm.fetch)
+    measured(_Copies((64, 48), workers, device))
     copies = _Copies(shape, workers, device)
-    before = start_span(device)
-    merged = merger.merge_all({"weight": copies.stored}, round=0, fetch=copies.fetch)
-    growth = peak(device) - before
-    assert torch.isfinite(merged["weight"]).all()
-    return growth / nbytes(copies.common)
+    return measured(copies) / nbytes(copies.common)
 
 
 #: glibc raises its mmap threshold after large frees, after which freed tensors stay in the
@@ -143,15 +158,17 @@ def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
     shape, counts = setting["memory_shape"], setting["memory_workers"]
     memory = Table(f"Scale: peak extra memory of merging one {shape[0]}×{shape[1]} parameter, in deltas",
                    ["rule", *(f"K = {k}" for k in counts), f"K = {counts[-1]} − K = {counts[0]}"])
-    peaks = iter(fresh_process_peaks([(rule, shape, k, device) for rule in RULE_NAMES for k in counts]))
-    for rule in RULE_NAMES:
+    rows = [(rule, rule, None) for rule in RULE_NAMES] + [(name, "mean", keys) for name, keys in COMPRESSED.items()]
+    peaks = iter(fresh_process_peaks([(rule, shape, k, device, keys) for _, rule, keys in rows for k in counts]))
+    for label, _, _ in rows:
         row = [next(peaks) for _ in counts]
-        memory.add(rule, *(f"{p:.2f}" for p in row), f"{row[-1] - row[0]:+.2f}")
+        memory.add(label, *(f"{p:.2f}" for p in row), f"{row[-1] - row[0]:+.2f}")
     (alone,) = in_fresh_processes([(ortho_peak, (shape, device))], MALLOC_ENV)
     memory.add("Iso-C's orthogonalisation alone", *([f"{alone:.2f}"] * len(counts)), "—")
     memory.notes.append(
         "K workers in one process with offloaded deltas: each delta is fetched as a fresh copy, one at a time "
-        "and once per phase of the rule; the stored deltas are not counted. Default settings of every rule "
+        "and once per phase of the rule; the stored deltas (and residuals, with error feedback) are not counted. "
+        "The compressed rows are the simulator's: every worker an island of its own. Default settings of every rule "
         "(TSV and Iso-CTS: `merge.factors=auto`). Each cell in a fresh process; CPU: resident high-water mark "
         "minus the resident memory before the merge, which includes memory the allocator keeps; CUDA: "
         "allocated memory.")
