@@ -25,7 +25,8 @@ A further table measures what overlap hides on the `quick` preset's run (the tin
 with R = 2 workers on 2 processes (2 islands of one) behind a 0.05 Gbit/s, 20 ms link: the
 exposed synchronisation at τ = 5 against τ = 0. A third checks the cost model (`isoloco.sync.cost.Link`) against the
 emulated link: the seconds it predicts for the float32 merge's collectives against the
-measured `sync_s` at τ = 0.
+measured `sync_s` at τ = 0. The last times one process's compute of a compressed sum per bucket
+at P·G = 64 chunks against one (`isoloco.bench.island_compute`): it must not grow with the chunks.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from isoloco.bench import island_compute
 from isoloco.bench.comm import job_config, join_job, spawn_job
 from isoloco.bench.workload import parameter_shapes, worker_deltas
 from isoloco.bench.table import Table, kibibytes, megabytes
@@ -203,8 +205,9 @@ def _key(method: str, link: tuple[float, float], bucketing: str, quantize: str, 
 
 
 def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
-    del repeats, device  # one run per case, on gloo processes on the CPU
+    del device  # one run per case, on gloo processes on the CPU
     yield from results_tables(measure(quick))
+    yield island_compute.table(max(repeats, 3))
 
 
 def results_tables(results: dict[str, dict[str, float]]) -> Iterator[Table]:
