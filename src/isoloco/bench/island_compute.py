@@ -6,7 +6,8 @@ and decodes the result. All of it runs on the training thread (on a GPU, on a si
 the thread must not wait for), so its time per bucket should not grow with the chunk count
 P·G. This benchmark times one process's steps of `isoloco.sync.compressed.island_sum` with the
 link taken out (`LoopbackLink`: every island is taken to send what this one sent), on the same
-bucket at P·G = 1 and P·G = 64, int8 with error feedback.
+bucket at P·G = 1 and P·G = 64, int8 with error feedback. `python -m isoloco.bench.island_compute`
+prints the table alone; the link benchmark prints it too.
 """
 
 from __future__ import annotations
@@ -84,3 +85,8 @@ def table(repeats: int) -> Table:
         f"sends): encode once and slice into P·G chunks, decode and add the P copies, re-encode the owned chunk, "
         f"decode the result; median of {repeats} runs after one warm-up, this machine's CPU, one thread.")
     return result
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    print(table(repeats=7).markdown())
