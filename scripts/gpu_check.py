@@ -18,7 +18,12 @@ and exits 1 if any check failed:
 9. two GPUs as one island (NCCL) train what one GPU trains (skipped, saying so, with one GPU);
 10. an overlapped int8 synchronisation (τ = 1) whose stages run on a side stream trains what
     the CPU trains; over NCCL, two islands of one GPU train what one process trains (skipped,
-    saying so, with one GPU).
+    saying so, with one GPU);
+11. offloaded workers with an overlapped int8 synchronisation and error feedback (residuals in
+    pinned host memory, copied to the GPU for the merge and back) train what workers kept on
+    the GPU train, bit for bit;
+12. low rank and top-k (`merge.compress`, int8 with error feedback, overlapped) on the GPU
+    train what the CPU trains.
 
 `--dry-run` takes every step on the CPU with small shapes (tiny model, short sequences, one
 round per method, a smaller batch for the memory check, two gloo processes for checks 9 and
@@ -240,15 +245,19 @@ def _deterministic_run(device: str, out: Path) -> None:
     train(out, method="isoloco", device=device, deterministic=True)
 
 
+def same_bits(check: str, first: Path, second: Path) -> Row:
+    """The row of a check that two runs end on the same θ, bit for bit (their last checkpoints)."""
+    one, other = (ckpt.load_tensors(ckpt.latest_checkpoint(out / CHECKPOINT_DIR), "global") for out in (first, second))
+    differ = sorted(name for name in one if not torch.equal(one[name], other[name]))
+    return Row(check, f"{len(differ)} of {len(one)} tensors of θ differ" + (f" (first: {differ[0]})" if differ else ""),
+               "bit for bit", not differ)
+
+
 def deterministic(setting: Setting, workdir: Path) -> Row:
     # Fresh processes: deterministic kernels are switched on process-wide, and a rerun is one.
     runs = [workdir / f"deterministic-{i}" for i in range(2)]
     in_fresh_processes([(_deterministic_run, (setting.device, out)) for out in runs])
-    first, second = (ckpt.load_tensors(ckpt.latest_checkpoint(out / CHECKPOINT_DIR), "global") for out in runs)
-    differ = sorted(name for name in first if not torch.equal(first[name], second[name]))
-    return Row(f"deterministic=true on {setting.device}, two runs of the tiny model",
-               f"{len(differ)} of {len(first)} tensors of θ differ" + (f" (first: {differ[0]})" if differ else ""),
-               "bit for bit", not differ)
+    return same_bits(f"deterministic=true on {setting.device}, two runs of the tiny model", *runs)
 
 
 def launched_pair(setting: Setting, workdir: Path, label: str, extra: dict, island_args: list[str]) -> float:
@@ -301,6 +310,50 @@ def overlap(setting: Setting, workdir: Path) -> list[Row]:
     return rows + [Row(name, f"largest relative difference of θ {worst:.1e}", f"≤ {limit:g}", worst <= limit)]
 
 
+def _overlap_run(device: str, out: Path, offload: bool) -> None:
+    train(out, method="isoloco", device=device, deterministic=True, offload_workers=offload, **OVERLAP)
+
+
+def offloaded_overlap(setting: Setting, workdir: Path) -> Row:
+    """Offloading moves state between host and device memory and nothing else: the residuals
+    the merge updates must come back to the host, and the side stream's reads of host copies
+    must be ordered, so the offloaded run gives the bits of the run that keeps its workers on
+    the device (deterministic kernels, each run in a fresh process; on the CPU, the dry run,
+    offloading keeps the state where it is)."""
+    runs = [workdir / f"overlap-offload-{offload}" for offload in (True, False)]
+    in_fresh_processes([(_overlap_run, (setting.device, out, offload)) for out, offload in zip(runs, (True, False))])
+    return same_bits(f"offloaded workers, overlapped int8 + error feedback on {setting.device} vs workers kept "
+                     "there", *runs)
+
+
+#: `merge.compress` on the device: PowerSGD's factors and top-k chunks, both int8 with error
+#: feedback and overlapped (their stages on the side stream).
+STRUCTURED = {
+    "low rank": {"merge.compress": "lowrank", "merge.compress_rank": 2},
+    "top-k": {"merge.compress": "topk", "merge.compress_density": 0.1, "merge.compress_chunk": 64},
+}
+
+
+def structured(setting: Setting, workdir: Path) -> list[Row]:
+    """Low rank and top-k on the device against the same runs on the CPU (on the dry run, where
+    both would be the CPU, the run alone: a finite loss)."""
+    rows = []
+    limit = ISLAND_LIMITS["cuda"]
+    for label, compress in STRUCTURED.items():
+        overrides = {"method": "isoloco", **OVERLAP, **compress}
+        run = train(workdir / f"{label}-{setting.device}", device=setting.device, **overrides)
+        if setting.device == "cpu":
+            loss = run.last_val_loss
+            rows.append(Row(f"{label}, overlapped int8 + error feedback on the CPU (dry run: nothing to compare)",
+                            f"validation loss {loss:.3f}", "finite", loss is not None and math.isfinite(loss)))
+            continue
+        cpu = train(workdir / f"{label}-cpu", device="cpu", **overrides)
+        worst = max(relative(a.cpu(), b) for a, b in zip(run.global_params, cpu.global_params))
+        rows.append(Row(f"{label}, overlapped int8 + error feedback on {setting.device} vs the CPU",
+                        f"largest relative difference of θ {worst:.1e}", f"≤ {limit:g}", worst <= limit))
+    return rows
+
+
 def timed(name: str, fn: Callable[[], Row | list[Row]]) -> tuple[list[Row], float]:
     """The check's rows and seconds; a check that raises is one failed row quoting the error,
     so one failure does not cost the figures of the others."""
@@ -324,6 +377,8 @@ CHECKS: dict[str, Callable[[Setting, Path, float], Row | list[Row]]] = {
     "deterministic": lambda setting, workdir, peak: deterministic(setting, workdir),
     "island": lambda setting, workdir, peak: island(setting, workdir),
     "overlap": lambda setting, workdir, peak: overlap(setting, workdir),
+    "offloaded_overlap": lambda setting, workdir, peak: offloaded_overlap(setting, workdir),
+    "structured": lambda setting, workdir, peak: structured(setting, workdir),
 }
 
 

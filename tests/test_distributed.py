@@ -650,6 +650,26 @@ def test_emulated_link_seconds_and_bad_values():
             DistConfig(emulate_link=bad).validate()
 
 
+def test_a_collective_holds_the_tensors_it_was_handed_until_its_wait():
+    """A stage on the side stream may drop the last reference to a tensor the main stream
+    allocated while its collective still reads it: the handle keeps it until the wait."""
+    import weakref
+
+    from isoloco.torch_comm import _post
+
+    class Work:
+        def wait(self) -> None:
+            pass
+
+    handed = torch.ones(4)
+    kept = weakref.ref(handed)
+    handle = _post("a test collective", [handed], Work)
+    del handed
+    assert kept() is not None
+    handle.wait()
+    assert kept() is None
+
+
 # -- many islands: the compressed sum in every layout, and no collective off the main thread ----
 
 #: Six processes: 6 islands of one (the exchange route), 3 islands of 2 processes (the exchange,

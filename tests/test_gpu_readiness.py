@@ -178,7 +178,8 @@ def test_the_gpu_check_refuses_an_unknown_check():
 
 #: The dry run's checks in two halves that run at once: the suite runs one test at a time, so the
 #: second half takes the core it would leave idle.
-DRY_RUN_HALVES = ("exact,fast,methods,offload,resume", "round,merge,deterministic,island,overlap")
+DRY_RUN_HALVES = ("exact,fast,methods,offload,resume,offloaded_overlap",
+                  "round,merge,deterministic,island,overlap,structured")
 
 
 @pytest.mark.slow
