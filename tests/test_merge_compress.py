@@ -248,6 +248,31 @@ def test_a_bad_compression_setting_exits_2_in_one_line_before_any_work(tmp_path)
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("compress", ["lowrank", "topk"])
+def test_excluded_matrices_cross_whole_while_the_others_are_compressed(compress):
+    """merge.compress_exclude: the matrices it names take the dense compressed sum (and Iso-C's
+    full finalize), bit for bit as with merge.compress=none; the others are compressed as
+    without the patterns; the cost model counts each its own way."""
+    deltas = signal_deltas(3, seed=11)
+    keys = {"rule": "iso_c", "quantize": "int8", "compress_rank": 2, "compress_density": 0.2, "compress_chunk": 64}
+    both = merger(merge.MergeConfig(compress=compress, compress_exclude=["wide*"], **keys), 3).merge_all(deltas)
+    dense = merger(merge.MergeConfig(**keys), 3).merge_all(deltas)
+    compressed = merger(merge.MergeConfig(compress=compress, **keys), 3).merge_all(deltas)
+    assert torch.equal(both["wide.weight"], dense["wide.weight"])
+    assert torch.equal(both["tall.weight"], compressed["tall.weight"])
+    assert not torch.equal(dense["tall.weight"], compressed["tall.weight"])
+    shapes, names = [torch.Size(s) for s in SHAPES.values()], list(SHAPES)
+    cfgs = [merge.MergeConfig(compress=compress, compress_exclude=["wide*"], **keys),
+            merge.MergeConfig(**keys), merge.MergeConfig(compress=compress, **keys)]
+    mixed, whole, small = (merge.wire_bytes_per_merge(shapes, cfg, 3, names) for cfg in cfgs)
+    assert small < mixed < whole
+
+
+def test_compress_exclude_without_compression_is_refused():
+    with pytest.raises(ConfigError, match=r"merge.compress_exclude=\['\*embed\*'\] is ignored with merge.compress=none"):
+        merge.MergeConfig(quantize="int8", compress_exclude=["*embed*"]).validate()
+
+
 def test_a_rank_above_a_matrixs_side_is_clamped_and_recorded():
     m = merger(merge.MergeConfig(rule="mean", compress="lowrank", compress_rank=10), 2)
     m.merge_all(signal_deltas(2, seed=5))

@@ -125,6 +125,10 @@ class MergeConfig:
     compress_density: float = option(0.03, "merge.compress=topk: fraction of each chunk's entries sent, in (0, 1]")
     compress_chunk: int = option(4096, f"merge.compress=topk: entries per chunk (at most {MAX_CHUNK}; indices "
                                        f"travel as 2 bytes)")
+    compress_exclude: list[str] = option(
+        [], "with merge.compress: fnmatch patterns of parameter names whose matrices skip it and cross the slow "
+            "link whole under merge.quantize (e.g. ['*embed_tokens*', 'lm_head.weight'], so that the embeddings and "
+            "the head travel dense while the blocks' matrices go low-rank or top-k); empty = compress every matrix")
     error_feedback: bool = option(
         False, "with merge.quantize or merge.compress: each island keeps what compression lost and adds it to its "
                "next sum (in the simulator every worker is an island; checkpointed with the island's first worker)")
@@ -166,11 +170,15 @@ class MergeConfig:
         refusal = lossy and carry_refusal(lossy, RULES[self.rule].phases((256, 256), 2, self.knobs), self.rule)
         if refusal:
             raise ConfigError(refusal)
-        if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(p, str) for p in self.exclude):
-            raise ConfigError(
-                f"merge.exclude={self.exclude!r} is not allowed: it must be a list of name patterns, "
-                f"e.g. ['*embed_tokens*', 'lm_head.weight']"
-            )
+        for key in ("exclude", "compress_exclude"):
+            patterns = getattr(self, key)
+            if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+                raise ConfigError(f"merge.{key}={patterns!r} is not allowed: it must be a list of name patterns, "
+                                  f"e.g. ['*embed_tokens*', 'lm_head.weight']")
+        if self.compress_exclude and self.compress == "none":
+            raise ConfigError(f"merge.compress_exclude={list(self.compress_exclude)} is ignored with merge.compress=none: "
+                              f"it names matrices that skip merge.compress; set merge.compress=lowrank or topk, or "
+                              f"drop merge.compress_exclude")
 
     @property
     def iso(self) -> IsoSettings:
@@ -197,7 +205,8 @@ class MergeConfig:
     @property
     def compression(self) -> Compression:
         """How a sum phase crosses the slow link."""
-        return Compression(self.quantization, self.compress, self.topk, self.error_feedback)
+        return Compression(self.quantization, self.compress, self.topk, self.error_feedback,
+                           tuple(self.compress_exclude))
 
     @property
     def knobs(self) -> Knobs:
@@ -391,10 +400,11 @@ class Merger:
     def _compressed(self) -> bool:
         return self.cfg.lossy_setting is not None
 
-    def _sent_bytes(self, shape: tuple[int, ...]) -> int:
-        """Bytes one island hands to the slow link for a sum of `shape` (before the route's fan-out)."""
+    def _sent_bytes(self, name: str, shape: tuple[int, ...]) -> int:
+        """Bytes one island hands to the slow link for a sum of parameter `name`'s `shape` (before
+        the route's fan-out)."""
         quantization, numel = self.cfg.quantization, math.prod(shape)
-        if not self.cfg.compression.structured(shape):
+        if not self.cfg.compression.structured(shape, name):
             return wire_nbytes(numel, quantization, quantization.group_size(shape))
         if self.cfg.compress == "topk":
             return self.cfg.topk.nbytes(numel, quantization)
@@ -433,8 +443,9 @@ class Merger:
                 if kind == "sum" and self._compressed:
                     islands, slices = ((self.comm.num_workers, 1) if self._played
                                        else (self.comm.islands, self.comm.island_slices[0]))
-                    yields = max(self.cfg.compression.stages([job.phases[phase].shape for job in part], islands,
-                                                             slices) for part in parts)
+                    yields = max(self.cfg.compression.stages([job.phases[phase].shape for job in part],
+                                                             [job.name for job in part], islands, slices)
+                                 for part in parts)
                 stages.append((phase, kind, yields))
         return stages
 
@@ -483,7 +494,8 @@ class Merger:
                 )
             rule = self._rule.phases if self.cfg.applies(name, deltas[0]) else mean_phases
             finalizer = self._finalize_of(name, deltas[0]) if finalize else None
-            in_span = finalizer is not None and self.cfg.compress == "lowrank"
+            in_span = (finalizer is not None and self.cfg.compress == "lowrank"
+                       and self.cfg.compression.structured(deltas[0].shape, name))
             jobs.append(_Job(name, deltas, residuals[name] if residuals is not None else None,
                              rule(deltas[0].shape, merged, self._knobs), None if in_span else finalizer,
                              memos=[{} for _ in workers], in_span=in_span))
@@ -557,11 +569,12 @@ class Merger:
         island this process plays runs the same steps, in lockstep, and all end with the same
         sums. An island is this process's workers, or in the simulator each worker."""
         shapes = [job.phases[phase].shape for job in jobs]
-        self.comm.bytes_sent_per_worker += sum(self._sent_bytes(shape) for shape in shapes)
+        names = [job.name for job in jobs]
+        self.comm.bytes_sent_per_worker += sum(self._sent_bytes(name, shape) for name, shape in zip(names, shapes))
         compression = self.cfg.compression
-        factors = {index: self._factor(job.name, shape, job.deltas[0].device)
-                   for index, (job, shape) in enumerate(zip(jobs, shapes))
-                   if compression.structured(shape) and compression.compress == "lowrank"}
+        factors = {index: self._factor(name, shape, jobs[index].deltas[0].device)
+                   for index, (name, shape) in enumerate(zip(names, shapes))
+                   if compression.structured(shape, name) and compression.compress == "lowrank"}
         links, groups = self._links()
         arrived = [[index for index in group if round.scale(self.comm.local_worker_ids[index]) is not None]
                    for group in groups]
@@ -577,7 +590,7 @@ class Merger:
                           None if jobs[0].residuals is None else [job.residuals[group[0]] for job in jobs],
                           round.fetched, keep_inputs=len(links) == 1)
                    for group, came in zip(groups, arrived)]
-        results = yield from lockstep([island_phase(link, island, shapes, compression, factors)
+        results = yield from lockstep([island_phase(link, island, shapes, names, compression, factors)
                                        for link, island in zip(links, islands)])
         self._land(jobs, phase, results[0])
 
@@ -629,19 +642,22 @@ class Merger:
             merged.update(zip((job.name for job in stack), [result] if len(stack) == 1 else result.unbind(0)))
 
 
-def wire_bytes_per_merge(shapes: Sequence[torch.Size], cfg: MergeConfig, islands: int) -> float:
+def wire_bytes_per_merge(shapes: Sequence[torch.Size], cfg: MergeConfig, islands: int,
+                         names: Sequence[str] | None = None) -> float:
     """The slow-link bytes one process puts on the link in a merge by the mean of tensors of
-    `shapes` (float32) under `cfg`'s compression, over `islands` islands of one process each:
-    what the metrics' `wire_bytes_cross_island` counts, from the cost model (`isoloco.sync.cost`)."""
+    `shapes` (float32; their parameter `names`, for merge.compress_exclude) under `cfg`'s
+    compression, over `islands` islands of one process each: what the metrics'
+    `wire_bytes_cross_island` counts, from the cost model (`isoloco.sync.cost`)."""
     total = 0.0
     quantization, limit = cfg.quantization, int(cfg.bucket_mb * 2**20)
+    names = list(names) if names is not None else [""] * len(shapes)
     for bucket in buckets([(4 * math.prod(shape), torch.float32) for shape in shapes], limit):
-        chosen = [tuple(shapes[index]) for index in bucket]
+        chosen = [(names[index], tuple(shapes[index])) for index in bucket]
         if cfg.lossy_setting is None:
-            total += wire_bytes("all_reduce", 4 * sum(math.prod(shape) for shape in chosen), islands)
+            total += wire_bytes("all_reduce", 4 * sum(math.prod(shape) for _, shape in chosen), islands)
             continue
-        structured = [shape for shape in chosen if cfg.compression.structured(shape)]
-        dense = [torch.Size(shape) for shape in chosen if not cfg.compression.structured(shape)]
+        structured = [shape for name, shape in chosen if cfg.compression.structured(shape, name)]
+        dense = [torch.Size(shape) for name, shape in chosen if not cfg.compression.structured(shape, name)]
         if dense:
             total += wire_bytes_per_process(dense, quantization, islands)
         if cfg.compress == "lowrank" and structured:

@@ -25,6 +25,7 @@ island at a time.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 from typing import Callable, Sequence
 
@@ -46,22 +47,26 @@ class Compression:
     compress: str  # "none", "lowrank" or "topk"
     topk: TopK
     feedback: bool
+    exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names whose matrices skip `compress`
 
-    def structured(self, shape: Sequence[int]) -> bool:
-        """Whether a sum of `shape` travels through `compress` (matrices only; vectors stay whole)."""
-        return self.compress != "none" and len(shape) == 2
+    def structured(self, shape: Sequence[int], name: str = "") -> bool:
+        """Whether a sum of parameter `name`'s `shape` travels through `compress` (matrices
+        only, and not those `exclude` names; vectors stay whole)."""
+        return (self.compress != "none" and len(shape) == 2
+                and not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude))
 
-    def stages(self, shapes: Sequence[Sequence[int]], islands: int, slices: int) -> int:
-        """The stages of a phase of tensors of `shapes` over `islands` islands of `slices`
-        processes each: those of its longest sum (low rank sums twice; top-k gathers once)."""
+    def stages(self, shapes: Sequence[Sequence[int]], names: Sequence[str], islands: int, slices: int) -> int:
+        """The stages of a phase of tensors of `shapes` (parameters `names`) over `islands`
+        islands of `slices` processes each: those of its longest sum (low rank sums twice;
+        top-k gathers once)."""
         dense = sum_stages(islands, slices)
 
-        def of(shape: Sequence[int]) -> int:
-            if not self.structured(shape):
+        def of(shape: Sequence[int], name: str) -> int:
+            if not self.structured(shape, name):
                 return dense
             return 2 * dense if self.compress == "lowrank" else 1 + (slices > 1)
 
-        return max(map(of, shapes))
+        return max(map(of, shapes, names))
 
 
 @dataclasses.dataclass
@@ -89,11 +94,12 @@ class Island:
             stored.copy_(value.view_as(stored))
 
 
-def island_phase(link: IslandLink, island: Island, shapes: Sequence[torch.Size], compression: Compression,
-                 factors: dict[int, torch.Tensor]) -> Steps[dict[int, tuple[torch.Tensor, torch.Tensor | None]]]:
-    """One island's steps of a compressed sum phase of tensors of `shapes` (`factors`: the
-    low-rank warm starts, by tensor index). Returns, by tensor index, (its sum, None), or for
-    low rank (Q', P̂): the sum is P̂ Q'ᵀ, formed once by the caller."""
+def island_phase(link: IslandLink, island: Island, shapes: Sequence[torch.Size], names: Sequence[str],
+                 compression: Compression, factors: dict[int, torch.Tensor]
+                 ) -> Steps[dict[int, tuple[torch.Tensor, torch.Tensor | None]]]:
+    """One island's steps of a compressed sum phase of parameters `names` of `shapes`
+    (`factors`: the low-rank warm starts, by tensor index). Returns, by tensor index, (its sum,
+    None), or for low rank (Q', P̂): the sum is P̂ Q'ᵀ, formed once by the caller."""
     sizes = [math.prod(shape) for shape in shapes]
     memo: list[list[torch.Tensor]] = []
 
@@ -102,7 +108,8 @@ def island_phase(link: IslandLink, island: Island, shapes: Sequence[torch.Size],
             memo.append(list(torch.split(island.contribution(), sizes)))
         return memo[0]
 
-    structured = [index for index, shape in enumerate(shapes) if compression.structured(shape)]
+    structured = [index for index, (shape, name) in enumerate(zip(shapes, names))
+                  if compression.structured(shape, name)]
     dense = [index for index in range(len(shapes)) if index not in structured]
     parts, kinds = [], []
     if dense:
@@ -114,7 +121,7 @@ def island_phase(link: IslandLink, island: Island, shapes: Sequence[torch.Size],
     elif structured:
         parts.append(_lowrank(link, island, structured, shapes, contributions, compression, factors))
         kinds.append(structured)
-    stages = compression.stages(shapes, link.islands, link.slices[0])
+    stages = compression.stages(shapes, names, link.islands, link.slices[0])
     steps = lockstep([padded(part, stages) for part in parts])
     while True:
         try:
