@@ -23,7 +23,13 @@ and exits 1 if any check failed:
     pinned host memory, copied to the GPU for the merge and back) train what workers kept on
     the GPU train, bit for bit;
 12. low rank and top-k (`merge.compress`, int8 with error feedback, overlapped) on the GPU
-    train what the CPU trains.
+    train what the CPU trains;
+13. the torchtitan recipe (`isoloco.torchtitan`, needs the torchtitan extra): a torchft
+    lighthouse and 2 replica groups of torchtitan's debug model, each one `torchrun` with half
+    the GPUs (FSDP inside a group over NCCL), IsoLoCo's outer step: both groups end
+    bit-identical and every matrix's first outer update has flat singular values (skipped in
+    the dry run: torchtitan does not run on a CPU as shipped; tests/test_torchtitan.py covers
+    the CPU with test-only patches).
 
 `--dry-run` takes every step on the CPU with small shapes (tiny model, short sequences, one
 round per method, a smaller batch for the memory check, two gloo processes for checks 9 and
@@ -44,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -354,6 +361,66 @@ def structured(setting: Setting, workdir: Path) -> list[Row]:
     return rows
 
 
+def condition_number(matrix: torch.Tensor) -> float:
+    """σmax/σmin of `matrix`, in float64."""
+    singular = torch.linalg.svdvals(matrix.double())
+    return (singular[0] / singular[-1]).item()
+
+
+def torchtitan_recipe(setting: Setting, workdir: Path) -> Row:
+    """2 replica groups of the recipe, each a torchrun of half the GPUs (both on the one GPU
+    when there is one): FSDP over NCCL inside a group, torchft's all-reduce across groups over
+    NCCL (gloo when the groups share a GPU, which NCCL refuses)."""
+    import importlib.util
+
+    name = "torchtitan recipe: 2 replica groups, FSDP over NCCL inside each, IsoLoCo"
+    if setting.device != "cuda":
+        return Row(name, "skipped: torchtitan runs on CUDA only (tests/test_torchtitan.py covers the CPU)", "—", None)
+    if importlib.util.find_spec("torchtitan") is None:
+        return Row(name, "skipped: the torchtitan extra is not installed (pip install -e '.[torchtitan]')", "—", None)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the CPU tests' group entry and flags
+    import torchtitan_cpu
+    from safetensors.torch import load_file
+
+    from isoloco.launch import free_port
+    from isoloco.torchft.replica import start_lighthouse
+
+    gpus = torch.cuda.device_count()
+    per_group = max(1, gpus // 2)
+    devices = [",".join(str(g) for g in range(r * per_group, (r + 1) * per_group)) if gpus > 1 else "0"
+               for r in range(2)]
+    torchtitan_cpu.prepare_assets(workdir / "titan-assets")
+    server, address = start_lighthouse(min_replicas=2)
+    try:
+        groups = []
+        for r in range(2):
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices[r], "TORCHFT_LIGHTHOUSE": address,
+                   "ISOLOCO_TT_OUT": str(workdir / f"titan-{r}"), "ISOLOCO_TT_RECORD": str(workdir / f"titan-{r}")}
+            groups.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(per_group), "--master-port",
+                 str(free_port()), torchtitan_cpu.__file__, *torchtitan_cpu.FLAGS,
+                 "--hf-assets-path", str(workdir / "titan-assets" / "tokenizer"), "--dataloader.dataset", "c4_test",
+                 "--dataloader.dataset-path", str(workdir / "titan-assets" / "corpus"),
+                 "--training.seq-len", "256", "--fault-tolerance.process-group", "nccl" if gpus > 1 else "gloo",
+                 "--fault-tolerance.replica-id", str(r), "--dump-folder", str(workdir / f"titan-dump-{r}")],
+                env=env, cwd=workdir, stdout=(workdir / f"titan-{r}.log").open("w"), stderr=subprocess.STDOUT))
+        codes = [group.wait() for group in groups]
+    finally:
+        server.shutdown()
+    for r, code in enumerate(codes):
+        if code:
+            last = ((workdir / f"titan-{r}.log").read_text().strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"replica group {r} exited with status {code}: {last}")
+    final = [load_file(workdir / f"titan-{r}.safetensors") for r in range(2)]
+    differ = sorted(n for n in final[0] if not torch.equal(final[0][n], final[1][n]))
+    first = load_file(workdir / "titan-0-sync0.safetensors")
+    matrices = [k.removeprefix("before.") for k, v in first.items() if k.startswith("before.") and v.ndim == 2]
+    flat = max(condition_number(first[f"before.{n}"] - first[f"after.{n}"]) for n in matrices)
+    return Row(f"{name} ({per_group} GPU{'s' if per_group > 1 else ''} per group)",
+               f"{len(differ)} of {len(final[0])} tensors of θ differ between the groups; first update's "
+               f"largest σmax/σmin {flat:.5f}", "bit for bit; ≤ 1.001", not differ and flat <= 1.001)
+
+
 def timed(name: str, fn: Callable[[], Row | list[Row]]) -> tuple[list[Row], float]:
     """The check's rows and seconds; a check that raises is one failed row quoting the error,
     so one failure does not cost the figures of the others."""
@@ -379,6 +446,7 @@ CHECKS: dict[str, Callable[[Setting, Path, float], Row | list[Row]]] = {
     "overlap": lambda setting, workdir, peak: overlap(setting, workdir),
     "offloaded_overlap": lambda setting, workdir, peak: offloaded_overlap(setting, workdir),
     "structured": lambda setting, workdir, peak: structured(setting, workdir),
+    "torchtitan": lambda setting, workdir, peak: torchtitan_recipe(setting, workdir),
 }
 
 
