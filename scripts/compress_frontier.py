@@ -220,7 +220,7 @@ def footnote(rows: list[dict]) -> list[str]:
         "through the unigram loss as it learns the frequencies. So a run above the unigram loss at its first "
         "evaluation is expected, unless it is above ln(vocabulary) there: then it was worse than a uniform guess, "
         "its first merges had overshot, and it was not still learning the frequencies "
-        f"(\"first evaluation above ln(vocab)\"; {len(uniform)} runs: {'; '.join(uniform) or 'none'}). "
+        f"(\"first evaluation above ln(vocab)\"; {len(uniform)} of {len(runs)} runs: {'; '.join(uniform) or 'none'}). "
         "\"Above the unigram loss after the first evaluation\" counts the runs above it at any later evaluation; "
         "of them, those that *rose* to it (their loss went up from one evaluation to the next, to above the "
         "unigram loss, whether or not they had been below it before) diverged for a while, and the others were "
