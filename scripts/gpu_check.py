@@ -402,7 +402,10 @@ def torchtitan_recipe(setting: Setting, workdir: Path) -> Row:
                  "--hf-assets-path", str(workdir / "titan-assets" / "tokenizer"), "--dataloader.dataset", "c4_test",
                  "--dataloader.dataset-path", str(workdir / "titan-assets" / "corpus"),
                  "--training.seq-len", "256", "--fault-tolerance.process-group", "nccl" if gpus > 1 else "gloo",
-                 "--fault-tolerance.replica-id", str(r), "--dump-folder", str(workdir / f"titan-dump-{r}")],
+                 "--fault-tolerance.replica-id", str(r), "--dump-folder", str(workdir / f"titan-dump-{r}"),
+                 # FSDP2 as such: on the CPU, torchtitan 0.3.0's default spmd_types backend refused a
+                 # plain parameter with 2 processes per group (before any isoloco code ran).
+                 "--parallelism.spmd-backend", "partial_dtensor"],
                 env=env, cwd=workdir, stdout=(workdir / f"titan-{r}.log").open("w"), stderr=subprocess.STDOUT))
         codes = [group.wait() for group in groups]
     finally:

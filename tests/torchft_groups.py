@@ -44,8 +44,15 @@ def join_groups(processes: list, deadline_s: float = JOIN_S) -> None:
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of `tensor`, the whole tensor where it is a DTensor (a parameter under FSDP)."""
+    """A copy of `tensor`, the whole tensor where it is a DTensor (a parameter under FSDP; every
+    process of the group must call it)."""
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def first_process() -> bool:
+    """Whether this process writes what its replica group recorded: the group's first, where
+    torch.distributed runs inside the group (torchtitan's FSDP), else its only one."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def record_synchronisations(prefix: Path) -> None:
@@ -67,10 +74,11 @@ def record_synchronisations(prefix: Path) -> None:
     def perform_sync(fragment) -> bool:
         committed = synchronise(fragment)
         path = f"{prefix}-sync{taken['round']}"
-        save_file({**taken.pop("tensors"), **{f"after.{n}": whole(p)
-                                              for n, p in internals.fragment_model(fragment).named_parameters()}},
-                  f"{path}.safetensors")
-        Path(f"{path}.json").write_text(json.dumps({**taken, "committed": committed}))
+        tensors = {**taken.pop("tensors"), **{f"after.{n}": whole(p)
+                                              for n, p in internals.fragment_model(fragment).named_parameters()}}
+        if first_process():
+            save_file(tensors, f"{path}.safetensors")
+            Path(f"{path}.json").write_text(json.dumps({**taken, "committed": committed}))
         return committed
 
     Fragment._save_grads, Fragment.perform_sync = save_grads, perform_sync

@@ -1,10 +1,11 @@
-"""A replica group of isoloco's torchtitan recipe on a CPU, for the tests: torchtitan 0.3.0 made
-to run without a GPU, and hooks that record what the group did.
+"""A process of a replica group of isoloco's torchtitan recipe, for the tests and the GPU check:
+torchtitan 0.3.0 made to run without a GPU, and hooks that record what the group did.
 
-Run as ``python tests/torchtitan_cpu.py <torchtitan flags>``: it patches torchtitan (below),
-installs the hooks its environment names, then runs ``python -m isoloco.torchtitan``'s entry.
-The patches are test support, not part of the recipe, which runs torchtitan as it is on GPUs.
-Stock torchtitan 0.3.0 stops on a CPU at five places:
+Run as ``python tests/torchtitan_cpu.py <torchtitan flags>`` (or through torchrun): where CUDA
+is not available it patches torchtitan (below); it installs the hooks its environment names,
+then runs ``python -m isoloco.torchtitan``'s entry. The patches are test support, not part of
+the recipe, which runs torchtitan as it is on GPUs. Stock torchtitan 0.3.0 stops on a CPU at
+five places:
 
 1. ``distributed/minimal_async_ep/kernels.py`` imports ``triton``, which it does not declare
    (every model reaches it through the MoE token dispatcher): a stand-in module takes its place;
@@ -20,15 +21,16 @@ Stock torchtitan 0.3.0 stops on a CPU at five places:
 Hooks, by environment variable (torchtitan counts steps from 1):
 
 * ``ISOLOCO_TT_RECORD=PREFIX``: every synchronisation as ``PREFIX-sync<round>``
-  (`torchft_groups.record_synchronisations`);
+  (`torchft_groups.record_synchronisations`), written by the group's first process;
 * ``ISOLOCO_TT_OUT=PATH``: the final parameters as ``PATH.safetensors`` and the steps trained
-  and the outer steps committed as ``PATH.json``;
+  and the outer steps committed as ``PATH.json``, written by the group's first process;
 * ``ISOLOCO_TT_MEET=STEP:MINE:THEIRS,...``: after step STEP, create file MINE and wait for THEIRS;
 * ``ISOLOCO_TT_KILL_AT=STEP``: SIGKILL this process after step STEP, as a crashed machine.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -40,6 +42,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # torchft_groups, beside this file
+
+#: Whether torchtitan is missing: its tests are skipped then, saying so (`make install`, and so CI,
+#: installs it). `find_spec` imports nothing, so an installed but broken torchtitan fails them instead.
+MISSING = importlib.util.find_spec("torchtitan") is None
+SKIP_REASON = "the torchtitan extra is not installed: pip install -e '.[torchtitan]' (make install does)"
 
 # The repository's tokenizer and corpus of the tests: the embedded corpus, a BPE of the debug
 # model's vocabulary.
@@ -70,22 +77,24 @@ FLAGS = ["--module", "isoloco.torchtitan", "--config", "llama3_isoloco_debugmode
          "--training.local-batch-size", "2", "--training.seq-len", "64", "--training.steps", "6",
          "--fault-tolerance.process-group", "gloo", "--fault-tolerance.group-size", "2",
          "--fault-tolerance.sync-steps", "2", "--fault-tolerance.num-fragments", "1",
-         "--checkpoint.interval", "1000", "--validator.no-enable", "--metrics.log-freq", "1"]
+         "--checkpoint.enable", "--checkpoint.interval", "1000", "--validator.no-enable", "--metrics.log-freq", "1"]
 
 
-def start_group(replica: int, lighthouse: str, folder: Path, flags: list[str], hooks: dict[str, str],
+def start_group(replica: int, lighthouse: str, assets: Path, dump: Path, flags: list[str], hooks: dict[str, str],
                 log: Path) -> subprocess.Popen:
-    """Replica group `replica` as one process of this file, as torchrun would start it, with the
-    assets of `prepare_assets(folder)`, its own dump folder, `FLAGS` and then `flags`."""
+    """Replica group `replica` as one process of this file, as torchrun would start it (one
+    process), with the tokenizer and corpus of `prepare_assets(assets)`, its outputs in `dump`,
+    `FLAGS` and then `flags`, the hooks `hooks` name, and its output in `log`."""
     from isoloco.launch import free_port
 
     env = {**os.environ, **hooks, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")), "TORCHFT_LIGHTHOUSE": lighthouse,
            "RUST_LOG": "error", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, __file__, *FLAGS, "--hf-assets-path", str(folder / "tokenizer"),
-               "--dataloader.dataset", "c4_test", "--dataloader.dataset-path", str(folder / "corpus"),
-               "--dump-folder", str(folder / f"dump-{replica}"), "--fault-tolerance.replica-id", str(replica), *flags]
-    return subprocess.Popen(command, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT)
+    command = [sys.executable, __file__, *FLAGS, "--hf-assets-path", str(assets / "tokenizer"),
+               "--dataloader.dataset", "c4_test", "--dataloader.dataset-path", str(assets / "corpus"),
+               "--dump-folder", str(dump), "--fault-tolerance.replica-id", str(replica), *flags]
+    dump.mkdir(parents=True, exist_ok=True)  # also its working directory: torchtitan writes ./outputs
+    return subprocess.Popen(command, env=env, cwd=dump, stdout=log.open("a"), stderr=subprocess.STDOUT)
 
 
 class _Stub(types.ModuleType):
@@ -152,7 +161,7 @@ def install_hooks(environ: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
     from isoloco.torchtitan.trainer import IsoLoCoTrainer
-    from torchft_groups import record_synchronisations, whole
+    from torchft_groups import first_process, record_synchronisations, whole
 
     if "ISOLOCO_TT_RECORD" in environ:
         record_synchronisations(Path(environ["ISOLOCO_TT_RECORD"]))
@@ -175,6 +184,8 @@ def install_hooks(environ: dict[str, str]) -> None:
         if "ISOLOCO_TT_OUT" in environ:
             out = Path(environ["ISOLOCO_TT_OUT"])
             params = {name: whole(param) for name, param in trainer.model_parts[0].named_parameters()}
+            if not first_process():
+                return
             save_file(params, out.with_suffix(".safetensors"))
             out.with_suffix(".json").write_text(json.dumps(
                 {"steps": steps, "outer_steps": trainer.ft_manager.manager.current_step()}))
@@ -183,7 +194,8 @@ def install_hooks(environ: dict[str, str]) -> None:
 
 
 if __name__ == "__main__":
-    patch_for_cpu()
+    if not torch.cuda.is_available():
+        patch_for_cpu()
     install_hooks(dict(os.environ))
     from isoloco.torchtitan.__main__ import main
 
