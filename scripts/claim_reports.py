@@ -10,7 +10,8 @@ again after the sweeps add runs: it replaces the views' links and rewrites the r
     python scripts/claim_reports.py main     # one folder's report (and its view, if it is one)
     python scripts/claim_reports.py --doc docs/claims.md     # then copy the tables into the page
     python scripts/claim_reports.py --check docs/claims.md   # exit 1 if a table differs from its report
-    python scripts/claim_reports.py --tests docs/claims.md   # every test the page quotes, adjusted together
+    python scripts/claim_reports.py --tests docs/claims.md   # every test the page quotes, adjusted together;
+                                                             # then its contrasts, adjusted together
 
 A table of the page is copied from a report when the line two above it is a marker naming
 the file and the section (the `## ` heading the table follows), and optionally a regular
@@ -387,6 +388,30 @@ def quoted_tests(doc: Path) -> list[dict[str, str]]:
     return list(tests.values())
 
 
+def quoted_contrasts(doc: Path) -> list[dict[str, str | float]]:
+    """Every contrast (a difference of two paired differences) in the contrast tables `doc` quotes,
+    once, with its two-sided p: contrast.md prints the 95% interval, not p, so p is the paired t-test's
+    from that interval (t = mean ÷ (half-width ÷ t₀.₉₇₅), seeds − 1 degrees of freedom; four printed
+    decimals). A row with an unstable run or one seed is no test."""
+    from isoloco.report import t_quantile, t_two_sided_p
+
+    tests: dict[tuple, dict[str, str | float]] = {}
+    for line in doc.read_text().splitlines():
+        marker = MARKER.match(line)
+        if not marker or not marker["file"].endswith("contrast.md"):
+            continue
+        for cells in table_rows(Path(marker["file"]), marker["section"], marker["rows"]):
+            if " ± " not in cells["contrast (final loss)"] or cells["call"].startswith("unstable"):
+                continue
+            mean, half = map(float, cells["contrast (final loss)"].split(" ± "))
+            df = int(cells["seeds"]) - 1
+            tests.setdefault((marker["file"], marker["section"], cells["R"], cells["H"]), {
+                "report": marker["file"], "contrast": marker["section"], "R": cells["R"], "H": cells["H"],
+                "seeds": cells["seeds"], "value": cells["contrast (final loss)"], "call": cells["call"],
+                "p": t_two_sided_p(mean / (half / t_quantile(95, df)), df)})
+    return list(tests.values())
+
+
 def page_tests_markdown(doc: Path) -> str:
     """The page's tests adjusted together: how many are called before and after a Benjamini–Hochberg
     adjustment over all of them, and the calls it drops."""
@@ -414,7 +439,29 @@ def page_tests_markdown(doc: Path) -> str:
         "## Called, but not after the page-wide adjustment", "",
         *([*header, *rows(dropped)] if dropped else ["None."]), "",
         "## Every test, by adjusted p", "",
-        *header, *rows(sorted(zip(tests, adjusted), key=lambda pair: pair[1])), ""])
+        *header, *rows(sorted(zip(tests, adjusted), key=lambda pair: pair[1])), "",
+        *contrasts_markdown(doc)])
+
+
+def contrasts_markdown(doc: Path) -> list[str]:
+    """The contrasts `doc` quotes, adjusted together (Benjamini–Hochberg) apart from the paired tests:
+    each asks whether a setting costs one method more than another, a question of its own."""
+    from isoloco.report import benjamini_hochberg
+
+    contrasts = quoted_contrasts(doc)
+    adjusted = benjamini_hochberg([float(c["p"]) for c in contrasts])
+    called = sum(adj < FDR for c, adj in zip(contrasts, adjusted) if c["call"].endswith(" lower"))
+    return ["## The contrasts, adjusted together", "",
+            f"{len(contrasts)} contrasts in the contrast tables the page quotes (a row two tables share counted "
+            f"once), {sum(c['call'].endswith(' lower') for c in contrasts)} of them called (unadjusted). With the "
+            f"Benjamini–Hochberg adjustment over the {len(contrasts)} at a false discovery rate of {FDR:g}, "
+            f"{called} stay called. p is the paired t-test's from the printed interval (t = mean ÷ (half-width "
+            "÷ t₀.₉₇₅)), to three decimals.", "",
+            "| report | contrast | R | H | seeds | contrast (final loss) | p | p (BH over the page's contrasts) | call |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *(f"| {c['report']} | {c['contrast']} | {c['R']} | {c['H']} | {c['seeds']} | {c['value']} | "
+              f"{float(c['p']):.3f} | {adj:.4f} | {c['call']} |"
+              for c, adj in sorted(zip(contrasts, adjusted), key=lambda pair: pair[1])), ""]
 
 
 def main() -> None:
@@ -425,7 +472,8 @@ def main() -> None:
     parser.add_argument("--doc", metavar="PAGE", help="copy every marked table of PAGE from its report (no reports run)")
     parser.add_argument("--check", metavar="PAGE", help="exit 1 when a marked table of PAGE differs from its report")
     parser.add_argument("--tests", metavar="PAGE", help=f"write {PAGE_TESTS} under --root: every test of the compare "
-                                                        "tables PAGE quotes, adjusted together (Benjamini–Hochberg)")
+                                                        "tables PAGE quotes, adjusted together (Benjamini–Hochberg), "
+                                                        "then its contrasts, adjusted together")
     args = parser.parse_args()
     if args.tests:
         (Path(args.root) / PAGE_TESTS).write_text(page_tests_markdown(Path(args.tests)))

@@ -225,7 +225,10 @@ def footnote(rows: list[dict]) -> list[str]:
         "of them, those that *rose* to it (their loss went up from one evaluation to the next, to above the "
         "unigram loss, whether or not they had been below it before) diverged for a while, and the others were "
         "still falling towards it, learning slowly; the peak is the highest such loss. \"Ended above\" counts "
-        "the runs whose final loss is above the unigram loss (a setting with one gets no call)."]
+        "the runs whose final loss is above the unigram loss (a setting with one gets no call). In all, "
+        f"{sum(run.stability.above_mid_run for run in runs)} of the {len(runs)} runs were above the unigram loss "
+        f"after their first evaluation, {sum(run.stability.rose_mid_run for run in runs)} of them having risen "
+        f"to it, and {sum(run.stability.ended_above for run in runs)} ended above it."]
 
 
 def markdown(rows: list[dict]) -> str:

@@ -1,6 +1,7 @@
 """scripts/claim_reports.py: the tables of docs/claims.md are copies of the reports' tables."""
 
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -147,9 +148,9 @@ def test_the_page_tests_are_adjusted_together_each_once(doc):
     assert "3 paired tests in the compare tables the page quotes" in text and "2 of them called" in text
     assert "at a false discovery rate of 0.05, 1 stay called" in text
     assert "| compare.md | a − c | 8 | 30 | 3 | -0.1000 ± 0.0900 | 0.040 | 0.0600 | a lower |" in text
-    dropped, every = text.split("## Called")[1].split("## Every test")
+    dropped, every = text.split("## The contrasts")[0].split("## Called")[1].split("## Every test")
     assert "| a − b |" not in dropped
-    assert [line.split(" | ")[1] + " " + line.split(" | ")[7] for line in every.splitlines()[4:]] == [
+    assert [line.split(" | ")[1] + " " + line.split(" | ")[7] for line in every.splitlines()[4:] if line] == [
         "a − b 0.0300", "a − c 0.0600", "c − b 0.3000"]  # every test, by adjusted p
 
 
@@ -158,3 +159,42 @@ def test_the_docs_tables_match_the_committed_reports(page):
     done = subprocess.run([sys.executable, str(SCRIPT), "--check", page], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "<!-- table: " in (ROOT / page).read_text()  # the page has tables to check
+
+
+CONTRAST = """# Contrasts
+
+## (a − b) − (c − d)
+
+| R | H | seeds | contrast (final loss) | call |
+|---|---|---|---|---|
+| 8 | 30 | 3 | +0.2000 ± 0.1000 | c − d lower |
+| 16 | 30 | 3 | +0.1200 ± 0.1000 | c − d lower |
+| 32 | 30 | 3 | +0.0100 ± 0.2000 | not distinguishable with 3 seeds |
+| 4 | 30 | 3 | +5.0000 ± 9.0000 | unstable run(s): no call |
+| 1 | 30 | 1 | +0.0100 | one seed: no call |
+"""
+
+
+def test_the_page_contrasts_are_adjusted_together_each_once(doc):
+    """p of a contrast from its printed interval: with 3 seeds, t = mean · t₀.₉₇₅ / half-width and
+    P(|T| < t) = t / √(t² + 2) for 2 degrees of freedom; the two called ones (p 0.013 and 0.036)
+    adjust over the three tests to 0.040 and 0.053, so the second loses its call. A row quoted twice
+    counts once; one with an unstable run or one seed is no test."""
+    Path("contrast.md").write_text(CONTRAST)
+    doc.write_text('<!-- table: contrast.md "(a − b) − (c − d)" -->\n\n| x |\n\n'
+                   '<!-- table: contrast.md "(a − b) − (c − d)" rows: ^\\| 8 -->\n\n| x |\n')
+    script = _script()
+
+    def p(ratio):  # mean ÷ half-width, 3 seeds
+        t = ratio * 4.303
+        return 1 - t / math.sqrt(t * t + 2)
+
+    contrasts = script.quoted_contrasts(doc)
+    assert [c["R"] for c in contrasts] == ["8", "16", "32"]
+    assert [c["p"] for c in contrasts] == pytest.approx([p(2.0), p(1.2), p(0.05)], abs=1e-4)
+    text = script.page_tests_markdown(doc).split("## The contrasts, adjusted together")[1]
+    assert "3 contrasts in the contrast tables the page quotes" in text and "2 of them called (unadjusted)" in text
+    assert "over the 3 at a false discovery rate of 0.05, 1 stay called" in text
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| contrast.md")]
+    assert [(row[2], row[7]) for row in rows] == [
+        ("8", f"{3 * p(2.0):.4f}"), ("16", f"{1.5 * p(1.2):.4f}"), ("32", f"{p(0.05):.4f}")]

@@ -99,3 +99,5 @@ def test_a_settings_row_counts_its_own_runs_and_takes_its_own_tests(frontier, tm
     text = frontier.markdown(list(rows.values()))
     assert "| 8 | diloco | low rank 4, int8 factors, error feedback |" in text
     assert "1 of 4 runs: diloco low rank 4, int8 factors, error feedback at R = 8, seed 1 (9.50)" in text
+    assert "In all, 2 of the 4 runs were above the unigram loss after their first evaluation, 1 of them having " \
+           "risen to it, and 0 ended above it." in text
