@@ -5,7 +5,7 @@ of *one island*: what it encodes, which collective it posts, what it does with t
 `IslandLink` is how an island posts its collectives:
 
 * `CommLink`: a process of a distributed run, over its `Communicator` (the all-to-all and the
-  all-gathers of `isoloco.distributed`'s peer group, and the all-gather inside the island);
+  all-gathers of `isoloco.torch_comm`'s peer group, and the all-gather inside the island);
 * `PlayedIslands`: every island of a run played in this one process, the simulator's
   islands. Each island's steps run in turn (`isoloco.sync.handles.lockstep`, island order),
   so a collective is complete once the last island has posted it.
