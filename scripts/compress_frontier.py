@@ -159,12 +159,12 @@ def frontier(root: Path) -> list[dict]:
     return sorted(rows, key=lambda r: (r["R"], r["method"], -r["bytes"]))
 
 
-def largest_equivalent(rows: list[dict]) -> dict[tuple[str, int], dict]:
-    """Per method and R, the setting with the most compression whose loss passed the equivalence
+def largest_equivalent(rows: list[dict]) -> dict[tuple[int, str], dict]:
+    """Per R and method, the setting with the most compression whose loss passed the equivalence
     test against the method's exact runs."""
-    best: dict[tuple[str, int], dict] = {}
+    best: dict[tuple[int, str], dict] = {}
     for r in rows:
-        key = (r["method"], r["R"])
+        key = (r["R"], r["method"])
         if r["to_exact"].endswith("pass") and r["ratio"] > best.get(key, {"ratio": 0})["ratio"]:
             best[key] = r
     return best
@@ -242,7 +242,7 @@ def markdown(rows: list[dict]) -> str:
                      f"{r['loss']:.4f} ± {r['sd']:.4f} | {r['seeds']} | {r['mid_run']} | {r['first_above_uniform']} | "
                      f"{r['ended_above']} | {r['to_exact']} | {r['head_to_head']} |")
     best = [f"- {method} at R = {count}: {r['setting']}, {r['ratio']:.1f}× fewer bytes than float32"
-            for (method, count), r in sorted(largest_equivalent(rows).items(), key=lambda item: (item[0][1], item[0][0]))]
+            for (count, method), r in sorted(largest_equivalent(rows).items())]
     return "\n".join(["# Compression frontier", "", "`python scripts/compress_frontier.py` writes this file.", "",
                       "## By setting", "", *lines, "", *footnote(rows), "",
                       "## The largest compression equivalent to exact within ±1% (TOST)", "",

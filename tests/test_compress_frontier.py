@@ -91,8 +91,8 @@ def test_a_settings_row_counts_its_own_runs_and_takes_its_own_tests(frontier, tm
     assert (compressed["rose"], compressed["first_above_uniform"], compressed["ended_above"]) == (1, 1, 0)
     assert compressed["to_exact"] == "[+9.00%, +11.00%] fail"  # R = 8's row, not R = 16's
     names, shapes = zip(*frontier.parameter_shapes("tiny"))
-    modelled = frontier.wire_bytes_per_merge(shapes, frontier.MergeConfig(compress="lowrank", compress_rank=4,
-                                                                         quantize="int8", error_feedback=True), 8, names)
+    sent = frontier.MergeConfig(compress="lowrank", compress_rank=4, quantize="int8", error_feedback=True)
+    modelled = frontier.wire_bytes_per_merge(shapes, sent, 8, names)
     assert compressed["bytes"] == pytest.approx((2 * modelled + 1000.0) / 3)  # a recorded figure beats the model
     assert rows["float32"]["mid_run"] == "0" and rows["float32"]["ratio"] == pytest.approx(1.0)
 
@@ -101,3 +101,14 @@ def test_a_settings_row_counts_its_own_runs_and_takes_its_own_tests(frontier, tm
     assert "1 of 4 runs: diloco low rank 4, int8 factors, error feedback at R = 8, seed 1 (9.50)" in text
     assert "In all, 2 of the 4 runs were above the unigram loss after their first evaluation, 1 of them having " \
            "risen to it, and 0 ended above it." in text
+
+
+def test_the_largest_compression_is_the_one_that_passes_per_r_and_method(frontier):
+    rows = [{"R": 8, "method": "diloco", "ratio": 3.9, "to_exact": "[-0.02%, +0.25%] pass"},
+            {"R": 8, "method": "diloco", "ratio": 7.7, "to_exact": "[-0.46%, +0.59%] pass"},
+            {"R": 8, "method": "diloco", "ratio": 23.2, "to_exact": "[+2.79%, +5.47%] fail"},
+            {"R": 16, "method": "diloco", "ratio": 3.9, "to_exact": "[-0.56%, +0.17%] pass"},
+            {"R": 16, "method": "diloco", "ratio": 7.7, "to_exact": "unstable run(s): no call"},
+            {"R": 8, "method": "isoloco", "ratio": 1.0, "to_exact": "—"}]
+    best = frontier.largest_equivalent(rows)
+    assert {key: r["ratio"] for key, r in best.items()} == {(8, "diloco"): 7.7, (16, "diloco"): 3.9}
