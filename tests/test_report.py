@@ -565,6 +565,9 @@ def test_a_report_of_many_settings_keeps_its_plots_readable(tmp_path, monkeypatc
         assert main(["report", str(tmp_path)]) == 0
     assert set(figures) == {"val_loss_vs_R.png", "gap_vs_R.png", "val_curves.png", "val_loss_vs_bytes.png"}
     for name, fig in figures.items():
+        (legend,) = fig.legends  # inside the figure, under the axes
+        box, axes_bottom = legend.get_window_extent(), min(ax.get_window_extent().y0 for ax in fig.axes)
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.width and box.y0 >= 0 and box.y1 < axes_bottom, name
         shown = [ax for ax in fig.axes if ax.get_visible()]
         top = max(ax.get_position().y1 for ax in shown)
         row = [ax.get_position() for ax in shown if ax.get_position().y1 == top]

@@ -37,6 +37,7 @@ from isoloco.merge import MergeConfig, Participation, wire_bytes_per_merge
 from isoloco.rules import RULES
 from isoloco.ortho import FACTOR_PATHS
 from isoloco.outer import OuterStep
+from isoloco.sync import sparseloco
 from isoloco.sync.handles import Steps, Sync, run_to_end
 from isoloco.sync.inflight import InFlight
 
@@ -67,21 +68,27 @@ class Worker:
 
 @dataclass(frozen=True)
 class SlowLinkModel:
-    """What one synchronisation puts on the slow link per process by the cost model
-    (`isoloco.merge.wire_bytes_per_merge`): the run's own merge, and float32's for the same model
-    and layout, over `islands` islands whose processes each carry one of `slices` equal slices.
-    The model is the mean's collectives, which the rules of one sum share (the mean, Iso-C,
-    DARE); for the others (TIES's two sums, TSV's and Iso-CTS's gathers) both are None."""
+    """What one synchronisation puts on the slow link per process by the cost model: the run's
+    own (`isoloco.merge.wire_bytes_per_merge`, or SparseLoCo's `isoloco.sync.sparseloco`), and
+    float32's mean for the same model and layout, of the parameters `names` shaped `shapes` (the
+    names say which matrices merge.compress_exclude keeps whole), over `islands` islands whose
+    processes each carry one of `slices` equal slices. The merge's model is the mean's
+    collectives, which the rules of one sum share (the mean, Iso-C, DARE); for the others (TIES's
+    two sums, TSV's and Iso-CTS's gathers) both are None."""
 
     bytes: float | None
     float32: float | None
 
     @classmethod
-    def of(cls, merge: MergeConfig, shapes: list[torch.Size], islands: int, slices: int) -> "SlowLinkModel":
+    def of(cls, cfg: TrainConfig, names: list[str], shapes: list[torch.Size], islands: int,
+           slices: int) -> "SlowLinkModel":
+        merge, tiling = cfg.merge, cfg.outer.tiling
+        float32 = wire_bytes_per_merge(shapes, MergeConfig(bucket_mb=merge.bucket_mb), islands) / slices
+        if tiling is not None:
+            return cls(sparseloco.wire_bytes_per_merge(shapes, tiling, islands) / slices, float32)
         if [phase.collective for phase in RULES[merge.rule].phases((256, 256), 2, merge.knobs)] != ["sum"]:
             return cls(None, None)
-        float32 = MergeConfig(bucket_mb=merge.bucket_mb)
-        return cls(*(wire_bytes_per_merge(shapes, config, islands) / slices for config in (merge, float32)))
+        return cls(wire_bytes_per_merge(shapes, merge, islands, names) / slices, float32)
 
 
 class Algorithm(ABC):
@@ -205,7 +212,7 @@ class DiLoCo(Algorithm):
         # The simulator's slow link is modelled as its merge's bits are: R islands of one worker
         # each; a job's is measured, and float32's modelled for its layout.
         layout = dist.layout
-        self.slow_link = SlowLinkModel.of(cfg.merge, [p.shape for p in self.params],
+        self.slow_link = SlowLinkModel.of(cfg, self.names, [p.shape for p in self.params],
                                           *((cfg.workers, 1) if dist.world_size == 1
                                             else (layout.islands, layout.group_size)))
         self.in_flight = (InFlight(self._buffers(), self.global_params, device, cfg.outer.overlap_steps)
@@ -416,7 +423,8 @@ class DiLoCo(Algorithm):
         the cost model does not cover the rule (`SlowLinkModel`) in the simulator."""
         model, syncs = self.slow_link, self.synchronisations
         if self.dist.world_size > 1:
-            float32 = measured if self.cfg.merge.lossy_setting is None else syncs * model.float32
+            lossless = self.cfg.merge.lossy_setting is None and self.cfg.outer.tiling is None
+            float32 = measured if lossless else syncs * model.float32
             return {"slow_link_bytes": measured, "slow_link_float32_bytes": float32}
         if model.bytes is None:
             return {}

@@ -572,21 +572,24 @@ def _dodge(x: float, index: int, count: int) -> float:
     return x if count < 2 else x * 2 ** ((index - (count - 1) / 2) * min(0.04, 0.3 / (count - 1)))
 
 
-#: A legend line's characters beyond which it wraps, and how many fit across a 6.4-inch figure.
-LEGEND_WRAP, LEGEND_ROW_CHARS = 60, 96
+#: Characters of a small legend font per inch of figure, and the inches a legend entry's marker and
+#: padding take.
+LEGEND_CHARS_PER_INCH, LEGEND_MARKER_INCHES = 13, 0.8
 
 
 def _legend_below(fig: Any, handles: list[Any] | None = None, labels: list[str] | None = None) -> None:
-    """The figure's legend under its axes, in as many columns as its longest name allows, the figure
-    taller by its rows: a legend there takes height and never the axes' width, whatever the number of
-    series or the length of their names."""
+    """The figure's legend under its axes, names wrapped to the figure's width, in as many columns as
+    the longest allows, the figure taller by its rows: a legend there takes height and never the
+    axes' width, and stays inside the figure, whatever the number of series or their names' length."""
     import textwrap
 
     if handles is None:
         handles, labels = fig.axes[0].get_legend_handles_labels()
-    labels = [textwrap.fill(label, LEGEND_WRAP) for label in labels]
+    width = fig.get_figwidth()
+    labels = [textwrap.fill(label, int((width - LEGEND_MARKER_INCHES) * LEGEND_CHARS_PER_INCH)) for label in labels]
     widest = max(len(line) for label in labels for line in label.splitlines())
-    columns = max(1, min(len(labels), LEGEND_ROW_CHARS // (widest + 6)))
+    entry = widest / LEGEND_CHARS_PER_INCH + LEGEND_MARKER_INCHES
+    columns = max(1, min(len(labels), int(width // entry)))
     rows = -(-len(labels) // columns)
     lines_per_row = max(label.count("\n") + 1 for label in labels)
     fig.set_figheight(fig.get_figheight() + 0.2 * rows * lines_per_row + 0.2)
@@ -737,7 +740,7 @@ def _curves(runs: list[RunResult]) -> Any:
     names = _legend_names(firsts, varying)
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
-    fig = Figure(figsize=(4.2 * cols, 3.4 * rows), layout="constrained")
+    fig = Figure(figsize=(max(6.4, 4.2 * cols), 3.4 * rows), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False, sharey=True).ravel()
     # The first evaluations sit far above the rest; cap the y axis at the losses after a
     # quarter of training so the differences between methods stay visible.

@@ -409,10 +409,12 @@ class Trainer:
     def _check_baseline(self, start: int, end: int) -> None:
         """Warn, once, when the evaluation at `end` finds θ above the unigram baseline (it knows
         less than the token frequencies) where a learning model is not: at any evaluation but a
-        first one mid-run, which may come before the model has learnt them."""
+        first one mid-run, which may come before the model has learnt them, unless that one is
+        above even a uniform guess (ln V), where no model starts."""
         unigram, loss = self.data.unigram_loss, self.last_val_loss
-        first = not self.cfg.eval_every or start < self.cfg.eval_every
-        if self.above_unigram or loss <= unigram or (first and end < self.cfg.train_steps):
+        early = ((not self.cfg.eval_every or start < self.cfg.eval_every) and end < self.cfg.train_steps
+                 and loss < math.log(self.data.vocab_size))
+        if self.above_unigram or loss <= unigram or early:
             return
         self.above_unigram = (end, loss)
         if self.dist.is_main:
