@@ -3,10 +3,10 @@
 bytes per process per round on a log axis, and each setting's runs that were above the unigram
 loss mid-run.
 
-`python scripts/compress_frontier.py [--root results/claims]` writes
-compress-science/frontier.png and compress-science/frontier.md (run `python
-scripts/claim_reports.py compress-science` first). The settings, R and methods are the view's
-(results.csv and summary.csv); what a setting sends is read from its runs' config.yaml. Bytes are
+`python scripts/compress_frontier.py [--root results/claims] [--view compress-science]` writes
+the view's frontier.png and frontier.md (run `python scripts/claim_reports.py VIEW` first). The
+settings, R and methods are the view's (results.csv and summary.csv); what a setting sends is
+read from its runs' config.yaml (SparseLoCo's tiles, parameters kept whole included). Bytes are
 the runs' own `slow_link_bytes_per_round` (summary.json) where they record it, and otherwise the
 cost model's figure for their merge with every worker an island (P = R, as the simulator plays
 them), `isoloco.merge.wire_bytes_per_merge`: the counts the metrics' `wire_bytes_cross_island`
@@ -37,6 +37,7 @@ from isoloco.bench.workload import parameter_shapes  # noqa: E402
 from isoloco.config import TrainConfig, from_dict  # noqa: E402
 from isoloco.merge import MergeConfig, wire_bytes_per_merge  # noqa: E402
 
+#: The view the page quotes; a later grid's view is named with --view.
 VIEW = "compress-science"
 #: The keys of a variant that say what crosses the link (`setting_name` names them); the others
 #: (an outer step, say) are shown as they are.
@@ -98,12 +99,14 @@ def setting_name(cfg: TrainConfig, variant: str) -> str:
     merge, tiling = cfg.merge, cfg.outer.tiling
     values = "float32" if merge.quantize == "none" else merge.quantize
     feedback = ", error feedback" if merge.error_feedback else ""
+    # Matrices that skip the structured compressor cross the link whole, under merge.quantize.
+    whole = f", {' '.join(merge.compress_exclude)} whole as {values}" if merge.compress_exclude else ""
     if tiling is not None:
         name = f"SparseLoCo top-{tiling.topk} of {tiling.tile}×{tiling.tile} tiles"
     elif merge.compress == "lowrank":
-        name = f"low rank {merge.compress_rank}, {values} factors{feedback}"
+        name = f"low rank {merge.compress_rank}, {values} factors{feedback}{whole}"
     elif merge.compress == "topk":
-        name = f"top-k {merge.compress_density:.0%}, {values} values{feedback}"
+        name = f"top-k {merge.compress_density:.0%}, {values} values{feedback}{whole}"
     else:
         name = f"{values}{feedback}"
     others = [pair for pair in variant.split() if not pair.startswith(LINK_KEYS)]
@@ -124,11 +127,10 @@ def mid_run_cell(runs: list[Run]) -> str:
     return f"{len(above)} ({sum(s.rose_mid_run for s in above)} rose; peak {max(s.peak_mid_run for s in above):.2f})"
 
 
-def frontier(root: Path) -> list[dict]:
-    """One row per method, R and setting: its bytes, ×float32, final loss (mean, sd, seeds), its
-    runs' stability, its equivalence test against the method's exact runs and IsoLoCo − DiLoCo
-    under it ("—": not in the report yet)."""
-    view = root / VIEW
+def frontier(view: Path) -> list[dict]:
+    """One row per method, R and setting of the view folder `view`: its bytes, ×float32, final
+    loss (mean, sd, seeds), its runs' stability, its equivalence test against the method's exact
+    runs and IsoLoCo − DiLoCo under it ("—": not in the report yet)."""
     runs: dict[tuple[str, str, str], list[tuple[Run, TrainConfig]]] = {}
     with open(view / "results.csv") as results:
         for row in csv.DictReader(results):
@@ -252,11 +254,13 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default="results/claims", help="the folder holding the claims' views")
-    root = Path(parser.parse_args().root)
-    rows = frontier(root)
-    plot(rows, root / VIEW / "frontier.png")
-    (root / VIEW / "frontier.md").write_text(markdown(rows))
-    print(f"wrote {root / VIEW / 'frontier.png'} and frontier.md ({len(rows)} points)")
+    parser.add_argument("--view", default=VIEW, help="the view whose runs to draw (a folder under --root)")
+    args = parser.parse_args()
+    view = Path(args.root) / args.view
+    rows = frontier(view)
+    plot(rows, view / "frontier.png")
+    (view / "frontier.md").write_text(markdown(rows))
+    print(f"wrote {view / 'frontier.png'} and frontier.md ({len(rows)} points)")
 
 
 if __name__ == "__main__":

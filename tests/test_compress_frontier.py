@@ -85,7 +85,7 @@ def test_a_settings_row_counts_its_own_runs_and_takes_its_own_tests(frontier, tm
         f"| diloco {low} − {frontier.compress_label('diloco')} | {count} | {interval} | +0.5 ± 0.1 | x |\n"
         for count, interval in ((8, "[+9.00%, +11.00%] fail"), (16, "[-0.10%, +0.10%] pass"))))
 
-    rows = {r["setting"]: r for r in frontier.frontier(tmp_path)}
+    rows = {r["setting"]: r for r in frontier.frontier(view)}
     compressed = rows["low rank 4, int8 factors, error feedback"]
     assert (compressed["seeds"], compressed["mid_run"]) == (3, "2 (1 rose; peak 6.80)")
     assert (compressed["rose"], compressed["first_above_uniform"], compressed["ended_above"]) == (1, 1, 0)
@@ -112,3 +112,17 @@ def test_the_largest_compression_is_the_one_that_passes_per_r_and_method(frontie
             {"R": 8, "method": "isoloco", "ratio": 1.0, "to_exact": "—"}]
     best = frontier.largest_equivalent(rows)
     assert {key: r["ratio"] for key, r in best.items()} == {(8, "diloco"): 7.7, (16, "diloco"): 3.9}
+
+
+def test_a_setting_is_named_by_what_crosses_the_link_then_its_other_settings(frontier):
+    cfg = TrainConfig()
+    apply_values(cfg, {"merge.compress": "lowrank", "merge.compress_rank": 2, "merge.quantize": "int4",
+                       "merge.compress_exclude": ["*embed_tokens*", "lm_head.weight"]})
+    variant = "merge.compress=lowrank merge.compress_exclude=... outer.lr=1.0"
+    assert frontier.setting_name(cfg, variant) == \
+        "low rank 2, int4 factors, *embed_tokens* lm_head.weight whole as int4 (outer.lr=1.0)"
+    apply_values(cfg, {"merge.compress": "none", "merge.compress_exclude": [], "merge.quantize": "none",
+                       "outer.transport": "sparseloco", "outer.sparse_tile": 64, "outer.sparse_topk": 32})
+    assert frontier.setting_name(cfg, "outer.transport=sparseloco outer.sparse_topk=32") == \
+        "SparseLoCo top-32 of 64×64 tiles"
+    assert frontier.compressor(cfg) == "sparseloco"
