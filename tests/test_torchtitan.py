@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from isoloco.comm import LocalCommunicator
 from isoloco.config import resolve
 from isoloco.errors import ConfigError
+from isoloco.ortho import null_rtol
 from isoloco.outer import OuterStep
 from isoloco.torchtitan.settings import OuterSettings
 
@@ -122,16 +123,25 @@ def test_each_synchronisation_is_isolocos_outer_step_on_the_recorded_pseudo_grad
             assert error <= 1e-6 and torch.linalg.norm(update) > 0, (round, name, error.item())
 
 
+def kept_spectrum(matrix: torch.Tensor) -> torch.Tensor:
+    """The singular values of `matrix` (in float64) that Iso-C keeps: those above isoloco's
+    numerically null threshold, `null_rtol`·σmax; Iso-C leaves the null directions out."""
+    singular = torch.linalg.svdvals(matrix.double())
+    return singular[singular > null_rtol(matrix) * singular[0]]
+
+
 def test_isolocos_first_update_of_every_matrix_has_flat_singular_values(runs):
-    """IsoLoCo's first outer update is lr·(1 + μ)·Iso-C(mean): one singular value, repeated."""
-    first = synchronisations(runs("isoloco"), 0)[0]
-    matrices = [key.removeprefix("before.") for key, value in first.items() if key.startswith("before.")
+    """IsoLoCo's first outer update is lr·(1 + μ)·Iso-C(mean): one singular value, repeated in
+    every direction the mean pseudo-gradient has (a numerically null one stays null)."""
+    first = [synchronisations(runs("isoloco"), r)[0] for r in range(2)]
+    matrices = [key.removeprefix("before.") for key, value in first[0].items() if key.startswith("before.")
                 and value.ndim == 2]
     assert len(matrices) >= 20  # every weight matrix of the debug model's 6 layers, embeddings and head
     for name in matrices:
-        update = (first[f"before.{name}"] - first[f"after.{name}"]).double()
-        singular = torch.linalg.svdvals(update)
-        assert singular[0] / singular[-1] <= FLAT, (name, (singular[0] / singular[-1]).item())
+        mean = (first[0][f"delta.{name}"] + first[1][f"delta.{name}"]) / 2
+        kept = kept_spectrum(first[0][f"before.{name}"] - first[0][f"after.{name}"])
+        assert len(kept) == len(kept_spectrum(mean)) and kept[0] / kept[-1] <= FLAT, (name, len(kept),
+                                                                                      (kept[0] / kept[-1]).item())
 
 
 #: Settings the recipe refuses, and the start of the line that says so.
@@ -152,6 +162,7 @@ import json, sys
 import torchtitan_cpu; torchtitan_cpu.patch_for_cpu()
 from torchtitan.config import ConfigManager
 from isoloco.errors import ConfigError
+from isoloco.ortho import null_rtol
 from isoloco.torchtitan import config_registry
 from isoloco.torchtitan.trainer import check_recipe
 found = {"configs": {}, "refused": {}}
@@ -210,3 +221,15 @@ def test_settings_name_the_flags_a_user_typed():
         OuterSettings(rule="mean", fast=True).validate()
     fast = OuterSettings(fast=True, exclude=["*tok_embeddings*"]).merge_config()
     assert (fast.ortho, fast.scale, fast.exclude) == ("newton_schulz", "rms", ["*tok_embeddings*"])
+
+
+def test_another_torchtitan_version_is_refused_in_one_line(monkeypatch):
+    from isoloco.torchtitan import internals
+
+    internals.check_version()  # the pinned one, installed here
+    monkeypatch.setattr(internals, "version", lambda package: "0.4.0")
+    with pytest.raises(ConfigError) as error:
+        internals.check_version()
+    message = str(error.value)
+    assert message.startswith("torchtitan 0.4.0 is installed, but isoloco's torchtitan recipe supports torchtitan "
+                              "0.3.0 only") and "\n" not in message

@@ -16,23 +16,24 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from torchtitan.experiments.torchft.config.job_config import FaultTolerantModelSpec
-from torchtitan.experiments.torchft.llama3 import model_registry
-from torchtitan.experiments.torchft.llama3.config_registry import llama3_torchft_debugmodel
-from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-from torchtitan.models.llama3 import Llama3Model
-# Private in torchtitan 0.3.0 (pinned, and checked by internals.check_version): the initialisations
-# and layer builder every Llama 3 shape of torchtitan's is made of.
-from torchtitan.models.llama3 import (_EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers,  # noqa: PLC2701
-                                      _output_linear_init)
-from torchtitan.tools.profiler import Profiler
-
-from isoloco.model import MODEL_PRESETS
 from isoloco.torchtitan import internals
-from isoloco.torchtitan.trainer import IsoLoCoTrainer
 
-internals.check_version()
+internals.check_version()  # first: the names imported below are torchtitan 0.3.0's
+
+from torchtitan.experiments.torchft.config.job_config import FaultTolerantModelSpec  # noqa: E402
+from torchtitan.experiments.torchft.llama3 import model_registry  # noqa: E402
+from torchtitan.experiments.torchft.llama3.config_registry import llama3_torchft_debugmodel  # noqa: E402
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
+from torchtitan.models.llama3 import Llama3Model  # noqa: E402
+# Private in torchtitan 0.3.0: the initialisations and layer builder every Llama 3 shape of
+# torchtitan's is made of.
+from torchtitan.models.llama3 import (_EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers,  # noqa: E402
+                                      _output_linear_init)
+from torchtitan.tools.profiler import Profiler  # noqa: E402
+
+from isoloco.model import MODEL_PRESETS  # noqa: E402
+from isoloco.torchtitan.trainer import IsoLoCoTrainer  # noqa: E402
 
 #: The paper's vocabulary (the Llama 2 tokenizer's) and H at 178M.
 PAPER_VOCAB = 32000

@@ -25,7 +25,7 @@ FAST = {key.removeprefix("merge."): value for key, value in METHODS["isoloco_fas
 
 @dataclass(kw_only=True, slots=True)
 class OuterSettings:
-    """IsoLoCo (or another merge rule) as the outer step of torchft's DiLoCo in torchtitan."""
+    """IsoLoCo (or DiLoCo's mean) as the outer step of torchft's DiLoCo in torchtitan."""
 
     rule: str = "iso_c"
     """merge rule of the replica groups' pseudo-gradients, on torchft's all-reduce of their mean: iso_c (with
