@@ -159,6 +159,20 @@ def test_a_validation_loss_above_the_unigram_baseline_is_warned_about_then_and_a
         f"; WARNING: above the unigram baseline from step 4 (validation loss {at_4:.4f} there)")
 
 
+def test_a_first_evaluation_above_a_uniform_guess_is_warned_about_at_once(tmp_path, capsys, monkeypatch):
+    """No model starts above ln V (here ln 512 = 6.2383): a first evaluation there has diverged."""
+    from isoloco.trainer import Trainer
+
+    losses = iter([6.3, 5.0, 5.0])
+    monkeypatch.setattr(Trainer, "evaluate", lambda trainer: next(losses))
+    monkeypatch.setattr(TokenData, "unigram_loss", property(lambda data: 5.5))
+    assert main(["train", *TINY_RUN, "steps=6", "eval_every=2", "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    (warned,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warned.startswith("warning: step 2: validation loss 6.3000 is above the unigram baseline 5.5000 (")
+    assert "above even a uniform guess (ln 512 = 6.2383): the run diverged;" in warned
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["above_unigram_baseline_at_step"] == 2
+
+
 def test_evaluating_only_at_the_end_warns_at_the_end(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(TokenData, "unigram_loss", property(lambda data: 0.5))
     assert main(["train", *TINY_RUN, "eval_every=0", "--out", str(tmp_path / "run"), "--quiet"]) == 0

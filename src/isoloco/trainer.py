@@ -411,16 +411,17 @@ class Trainer:
         less than the token frequencies) where a learning model is not: at any evaluation but a
         first one mid-run, which may come before the model has learnt them, unless that one is
         above even a uniform guess (ln V), where no model starts."""
-        unigram, loss = self.data.unigram_loss, self.last_val_loss
+        unigram, loss, uniform = self.data.unigram_loss, self.last_val_loss, math.log(self.data.vocab_size)
         early = ((not self.cfg.eval_every or start < self.cfg.eval_every) and end < self.cfg.train_steps
-                 and loss < math.log(self.data.vocab_size))
+                 and loss < uniform)
         if self.above_unigram or loss <= unigram or early:
             return
         self.above_unigram = (end, loss)
+        verdict = (f"above even a uniform guess (ln {self.data.vocab_size} = {uniform:.4f}): the run diverged"
+                   if loss > uniform else "the run diverged, or has not learnt the frequencies yet")
         if self.dist.is_main:
             logger.warning("step %d: validation loss %.4f is above the unigram baseline %.4f (predicting each token by "
-                           "its frequency): the run diverged, or has not learnt the frequencies yet; %s", end, loss,
-                           unigram, divergence_causes(self.cfg))
+                           "its frequency), %s; %s", end, loss, unigram, verdict, divergence_causes(self.cfg))
 
     def _log_round(self, log: MetricsLog | NullMetricsLog, start: int, end: int, losses: list[float],
                    seconds: float, extra: dict[str, Any]) -> None:
