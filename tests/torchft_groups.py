@@ -43,9 +43,13 @@ def join_groups(processes: list, deadline_s: float = JOIN_S) -> None:
     assert not hung, f"replica group process(es) {hung} did not finish within {deadline_s} s"
 
 
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of `tensor`, the whole tensor where it is a DTensor (a parameter under FSDP; every
-    process of the group must call it)."""
+def whole(tensor: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """A copy of `tensor`, the whole tensor where it is a DTensor (a parameter under FSDP) or
+    this process's shard of DTensor parameter `like` (torchft keeps θ and the pseudo-gradient as
+    shards); every process of the group must call it."""
+    if isinstance(like, DTensor) and not isinstance(tensor, DTensor):
+        tensor = DTensor.from_local(tensor.to(like.device), like.device_mesh, like.placements, shape=like.shape,
+                                    stride=like.stride())
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
@@ -67,9 +71,10 @@ def record_synchronisations(prefix: Path) -> None:
     def save_grads(fragment) -> None:
         take(fragment)
         manager = internals.fragment_manager(fragment)
+        params = dict(internals.fragment_model(fragment).named_parameters())
         taken.update(round=manager.current_step(), participants=manager.num_participants(), tensors={
-            **{f"delta.{n}": whole(g) for n, g in internals.pseudo_gradients(fragment).items()},
-            **{f"before.{n}": whole(p) for n, p in fragment.original_parameters.items()}})
+            **{f"delta.{n}": whole(g, params[n]) for n, g in internals.pseudo_gradients(fragment).items()},
+            **{f"before.{n}": whole(p, params[n]) for n, p in fragment.original_parameters.items()}})
 
     def perform_sync(fragment) -> bool:
         committed = synchronise(fragment)
