@@ -241,7 +241,8 @@ def model_round(setting: Setting, workdir: Path, peak_tflops: float) -> Row:
 
 def merge_memory(setting: Setting) -> Row:
     shapes = setting.merge_shapes
-    peaks = scale.fresh_process_peaks([("ties", shape, MERGE_WORKERS, setting.device) for shape in shapes])
+    peaks = [peak for peak, _ in scale.fresh_process_peaks([("ties", shape, MERGE_WORKERS, setting.device)
+                                                              for shape in shapes])]
     worst = max(range(len(shapes)), key=peaks.__getitem__)
     return Row(f"TIES merge of K = {MERGE_WORKERS} offloaded deltas on {setting.device}, each shape in a "
                "fresh process", f"peak {peaks[worst]:.1f} deltas ({shapes[worst][0]}×{shapes[worst][1]})",

@@ -33,9 +33,25 @@ def test_merge_seconds_are_per_repeat_rounds_of_every_rule():
 
     from isoloco.bench import scale
 
-    seconds = scale.merge_seconds(Counter({(24, 16): 3, (16, 40): 1}), workers=4, repeats=2, device="cpu")
-    assert set(seconds) == set(scale.RULE_NAMES)
+    seconds, paths = scale.merge_seconds(Counter({(24, 16): 3, (16, 40): 1}), workers=4, repeats=2, device="cpu")
+    assert set(seconds) == set(paths) == set(scale.RULE_NAMES)
     assert all(len(rounds) == 2 and all(positive_finite(s) for s in rounds) for rounds in seconds.values())
+    # A round factors each of its 4 matrices once per worker, under one path each.
+    assert all(sum(paths[rule].values()) == 4 * 4 for rule in ("tsv", "iso_cts"))
+    assert not any(paths[rule] for rule in ("mean", "dare", "ties", "iso_c"))
+
+
+def test_the_factors_table_times_both_settings_and_names_autos_paths():
+    """Every worker's factors are counted once per merge under the path auto took, and both
+    settings stay near the float64 definition (exact to float32 rounding)."""
+    from isoloco.bench import factors
+
+    table = factors.auto_against_exact("test", factors.shared_signal_under_noise((96, 240), 16), 1, "cpu")
+    assert [row[0] for row in table.rows] == ["tsv", "iso_cts"]
+    for row in table.rows:
+        counts = [int(part.split()[-1]) for part in row[5].split(", ")]
+        assert sum(counts) == 16
+        assert float(row[6]) < 1e-3 and float(row[7]) < 1e-3
 
 
 def test_table_renders_markdown_and_refuses_ragged_rows():

@@ -136,16 +136,18 @@ def float64_top(delta: torch.Tensor, k: int) -> torch.Tensor:
     return (u[:, :k] * s[:k]) @ vh[:k]
 
 
+@pytest.mark.parametrize("finder_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", [(256, 640), (640, 256), (320, 320)])
-def test_a_hopeless_finder_stops_after_one_iteration_and_the_factors_are_exact(shape):
+def test_a_hopeless_finder_stops_after_one_iteration_and_the_factors_are_exact(shape, finder_dtype):
     """k = r/16 past a shared rank-4 signal, where the spectrum is flat: the first iteration's
     Ritz values say the certificate cannot pass, so auto stops the finder there and takes the
     exact factors (the Gram route's top k on the non-square shapes, LAPACK's on the square
-    one), which are the float64 SVD's to float32 rounding."""
+    one), which are the float64 SVD's to float32 rounding. bfloat16 early iterations
+    orthonormalise one side only, and the Ritz values are read on that side."""
     k = min(shape) // 16
     for delta in shared_signal_under_noise(shape, 2, rank=4):
         paths = Counter()
-        u, s, v = top_factors(delta, k, FactorSettings(), paths=paths)
+        u, s, v = top_factors(delta, k, FactorSettings(finder_dtype=finder_dtype), paths=paths)
         assert paths == Counter({"exact_finder_stopped": 1})
         assert relative((u * s) @ v.T, float64_top(delta, k)) < 1e-5
 

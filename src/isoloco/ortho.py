@@ -815,6 +815,7 @@ def _randomized_svd(matrix: torch.Tensor, columns: int, power_iters: int, left_o
     probe = torch.randn(a.shape[-1], columns, generator=torch.Generator().manual_seed(0), dtype=a.dtype)
     every_side = early is a
     short_rows = a.shape[-2] < a.shape[-1]
+    column_side, row_side = every_side or short_rows, every_side or not short_rows  # which get a QR
     basis = image(early, probe.to(a.device))
     for step in range(power_iters):
         by = a if step == power_iters - 1 else early
@@ -822,17 +823,17 @@ def _randomized_svd(matrix: torch.Tensor, columns: int, power_iters: int, left_o
         # No second projection of the basis here: its columns spanning M's range already lie
         # in the range of I − L Lᵀ, and any others QR added to complete a rank-deficient
         # block only widen the subspace searched.
-        if every_side or short_rows:
+        if column_side:
             basis = _orthonormal_columns(basis)
         row_basis = (by.mT @ basis.to(by.dtype)).to(a.dtype)
-        # The Ritz values are those of M or Mᵀ times orthonormal columns: Mᵀ·Q when Q was
-        # orthonormalised, else M·(the orthonormalised row basis) below.
-        if judge and (every_side or short_rows) and _hopeless(row_basis, judged, power_iters):
+        # Ritz values are those of Mᵀ or M times orthonormal columns: Mᵀ·Q where Q had its QR,
+        # else M·(the row basis after its QR) below.
+        if judge and column_side and _hopeless(row_basis, judged, power_iters):
             return None
-        if every_side or not short_rows:
+        if row_side:
             row_basis = _orthonormal_columns(row_basis)
         basis = image(by, row_basis)
-        if judge and not (every_side or short_rows) and _hopeless(basis, judged, power_iters):
+        if judge and not column_side and _hopeless(basis, judged, power_iters):
             return None
     basis = _orthonormal_columns(basis)
     # The last product is projected: columns QR added need not lie in the range of I − L Lᵀ,
@@ -846,19 +847,20 @@ def _hopeless(estimate: torch.Tensor, k: int, power_iters: int) -> bool:
     certificate's reach, judged from the Ritz values σ̂ of `estimate` (M times orthonormal
     columns, after one pass).
 
-    Each iteration shrinks what the basis misses of the top k by about ρ² = (σ̂_c/σ̂_k)²
-    (c: the basis's columns), and `_Found.accurate` needs it 1e-3 of the relative gap
-    (σ̂_k − σ̂_{k+1})/σ̂_k; where ρ^{2q} exceeds the whole gap, the check would fail by far, so
-    the finder stops (a flat spectrum: Gaussian noise, or a few shared directions under noise
-    with k past them). An estimate from one pass; the margin of 1/tolerance leans towards
-    trying, and the check still decides (docs/fidelity.md)."""
+    After q iterations what the basis misses of the top k is about ρ^{2q+1} of σ̂_k, with
+    ρ = σ̂_c/σ̂_k (c: the basis's columns; Halko, Martinsson, Tropp 2011, section 10), and
+    `_Found.accurate` needs it within `FINDER_TOLERANCE` of the gap σ̂_k − σ̂_{k+1}; where the
+    estimate already misses that, the finder stops (a flat spectrum: Gaussian noise, a few
+    shared directions under noise with k past them, a slowly decaying one). One pass's Ritz
+    values put σ̂_c low, so the estimate errs towards trying, and the check still decides
+    (docs/fidelity.md, `isoloco.bench.factors` measures both)."""
     s = torch.linalg.svdvals(estimate)
     if s.shape[-1] <= k:
         return False
     s_k = s[..., k - 1]
     alive = s_k > null_rtol(estimate) * s[..., 0]  # a rank below k: the check handles it cheaply
-    spread = (s[..., -1] / s_k) ** (2 * power_iters)
-    return bool((alive & (spread > (s_k - s[..., k]) / s_k)).any())
+    missed = (s[..., -1] / s_k) ** (2 * power_iters + 1)
+    return bool((alive & (missed > FINDER_TOLERANCE * (s_k - s[..., k]) / s_k)).any())
 
 
 #: How `top_factors` got a worker's factors, the keys it counts them under: the range

@@ -15,7 +15,7 @@ import time
 import torch
 
 from isoloco import logs
-from isoloco.bench import comm, goodput, link, memory, ortho, outer, scale, throughput
+from isoloco.bench import comm, factors, goodput, link, memory, ortho, outer, scale, throughput
 from isoloco.trainer import resolve_device
 
 TABLES = {
@@ -25,6 +25,7 @@ TABLES = {
     "comm": comm.tables,
     "memory": memory.tables,
     "scale": scale.tables,
+    "factors": factors.tables,
     "link": link.tables,
     "goodput": goodput.tables,
 }

@@ -28,6 +28,7 @@ from typing import Iterator
 import torch
 
 from isoloco import rules
+from isoloco.bench.factors import RULE_NAMES, paths_taken
 from isoloco.bench.memory import in_fresh_processes, peak, start_span
 from isoloco.bench.restore import restore_peak_ratio
 from isoloco.bench.table import Table, ratio
@@ -37,7 +38,6 @@ from isoloco.comm import LocalCommunicator, nbytes
 from isoloco.merge import MergeConfig, Merger
 from isoloco.ortho import FactorSettings, iso_correct
 
-RULE_NAMES = ("mean", "dare", "ties", "iso_c", "tsv", "iso_cts")
 FULL = {"memory_shape": (32000, 1024), "memory_workers": (8, 32, 128), "timing_workers": 16, "vocab": True,
         "restore_workers": (16, 64)}
 QUICK = {"memory_shape": (8192, 1024), "memory_workers": (8, 32), "timing_workers": 16, "vocab": False,
@@ -66,11 +66,12 @@ class _Copies:
 COMPRESSED = {f"mean, {fmt} + error feedback": {"quantize": fmt, "error_feedback": True} for fmt in ("int8", "int4")}
 
 
-def merge_peak(rule: str, shape: tuple[int, int], workers: int, device: str, keys: dict | None = None) -> float:
+def merge_peak(rule: str, shape: tuple[int, int], workers: int, device: str,
+               keys: dict | None = None) -> tuple[float, Counter]:
     """Peak extra memory of merging one `shape` parameter from `workers` workers, in deltas
     (`keys`: more `merge.*` settings; with error feedback the workers' residuals are stored
-    state, fetched as copies like the deltas). Meant to run in a process of its own
-    (`fresh_process_peaks`)."""
+    state, fetched as copies like the deltas), and the paths its workers' factors took (TSV,
+    Iso-CTS). Meant to run in a process of its own (`fresh_process_peaks`)."""
     device = torch.device(device)
     cfg = MergeConfig(rule=rule, **(keys or {}))
     merger = Merger(cfg, LocalCommunicator(workers), seed=0)
@@ -89,8 +90,9 @@ def merge_peak(rule: str, shape: tuple[int, int], workers: int, device: str, key
 
     # A first small merge loads what the rule's code paths load once (kernels, LAPACK, numpy).
     measured(_Copies((64, 48), workers, device))
+    merger.factor_paths.clear()
     copies = _Copies(shape, workers, device)
-    return measured(copies) / nbytes(copies.common)
+    return measured(copies) / nbytes(copies.common), merger.factor_paths
 
 
 #: glibc raises its mmap threshold after large frees, after which freed tensors stay in the
@@ -111,7 +113,7 @@ def ortho_peak(shape: tuple[int, int], device: str) -> float:
     return (peak(device) - before) / nbytes(copies.common)
 
 
-def fresh_process_peaks(configs: list[tuple]) -> list[float]:
+def fresh_process_peaks(configs: list[tuple]) -> list[tuple[float, Counter]]:
     """`merge_peak(*config)` for each config, each in a new process, one at a time."""
     return in_fresh_processes([(merge_peak, config) for config in configs], MALLOC_ENV)
 
@@ -122,20 +124,25 @@ def paper_matrices(vocab: bool) -> Counter:
     return Counter({shape: count for shape, count in shapes.items() if vocab or max(shape) < 8192})
 
 
-def merge_seconds(shapes: Counter, workers: int, repeats: int, device: str) -> dict[str, list[float]]:
+def merge_seconds(shapes: Counter, workers: int, repeats: int,
+                  device: str) -> tuple[dict[str, list[float]], dict[str, Counter]]:
     """Seconds per round of each rule in each repeat: one matrix of each shape timed, weighted
-    by its count (the rules take turns within a repeat, so repeat i of two rules ran alike)."""
+    by its count (the rules take turns within a repeat, so repeat i of two rules ran alike);
+    and the paths of a round's factorisations (TSV, Iso-CTS), weighted alike."""
     total = {rule: [0.0] * repeats for rule in RULE_NAMES}
+    paths = {rule: Counter() for rule in RULE_NAMES}
     for shape, count in shapes.items():
         copies = _Copies(shape, workers, torch.device(device))
         deltas = [copies.fetch(stored) for stored in copies.stored]
-        cases = {rule: (lambda m=Merger(MergeConfig(rule=rule), LocalCommunicator(workers), 0): m.merge("w", deltas))
-                 for rule in RULE_NAMES}
+        mergers = {rule: Merger(MergeConfig(rule=rule), LocalCommunicator(workers), 0) for rule in RULE_NAMES}
+        cases = {rule: (lambda m=merger: m.merge("w", deltas)) for rule, merger in mergers.items()}
         for rule, timing in interleaved(cases, repeats).items():
             for repeat, seconds in enumerate(timing.samples):
                 total[rule][repeat] += count * seconds
+            # Every call, the warm-up's too, took the same paths: a round's are one call's.
+            paths[rule].update({path: count * n // (repeats + 1) for path, n in mergers[rule].factor_paths.items()})
         del deltas
-    return total
+    return total, paths
 
 
 def mask_seconds(entries: int, repeats: int, device: str) -> dict[str, float]:
@@ -157,14 +164,16 @@ def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
     setting = QUICK if quick else FULL
     shape, counts = setting["memory_shape"], setting["memory_workers"]
     memory = Table(f"Scale: peak extra memory of merging one {shape[0]}×{shape[1]} parameter, in deltas",
-                   ["rule", *(f"K = {k}" for k in counts), f"K = {counts[-1]} − K = {counts[0]}"])
+                   ["rule", *(f"K = {k}" for k in counts), f"K = {counts[-1]} − K = {counts[0]}",
+                    "auto's paths, by K"])
     rows = [(rule, rule, None) for rule in RULE_NAMES] + [(name, "mean", keys) for name, keys in COMPRESSED.items()]
     peaks = iter(fresh_process_peaks([(rule, shape, k, device, keys) for _, rule, keys in rows for k in counts]))
     for label, _, _ in rows:
-        row = [next(peaks) for _ in counts]
-        memory.add(label, *(f"{p:.2f}" for p in row), f"{row[-1] - row[0]:+.2f}")
+        row, paths = zip(*(next(peaks) for _ in counts))
+        memory.add(label, *(f"{p:.2f}" for p in row), f"{row[-1] - row[0]:+.2f}",
+                   "; ".join(paths_taken(taken, 1) for taken in paths) if any(paths) else "—")
     (alone,) = in_fresh_processes([(ortho_peak, (shape, device))], MALLOC_ENV)
-    memory.add("Iso-C's orthogonalisation alone", *([f"{alone:.2f}"] * len(counts)), "—")
+    memory.add("Iso-C's orthogonalisation alone", *([f"{alone:.2f}"] * len(counts)), "—", "—")
     memory.notes.append(
         "K workers in one process with offloaded deltas: each delta is fetched as a fresh copy, one at a time "
         "and once per phase of the rule; the stored deltas (and residuals, with error feedback) are not counted. "
@@ -176,14 +185,15 @@ def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
 
     workers = setting["timing_workers"]
     shapes = paper_matrices(setting["vocab"])
-    seconds = merge_seconds(shapes, workers, repeats, device)
+    seconds, paths = merge_seconds(shapes, workers, repeats, device)
     timing = Table(f"Scale: merge seconds per round at K = {workers} on the 178M model's matrices",
-                   ["rule", "seconds per round", "÷ Iso-C", "÷ Iso-C, lowest – highest repeat"])
+                   ["rule", "seconds per round", "÷ Iso-C", "÷ Iso-C, lowest – highest repeat",
+                    "auto's paths per round"])
     for rule in RULE_NAMES:
         ratios = [mine / theirs for mine, theirs in zip(seconds[rule], seconds["iso_c"])]
         timing.add(rule, f"{statistics.median(seconds[rule]):.2f}",
                    ratio(statistics.median(seconds[rule]) / statistics.median(seconds["iso_c"])),
-                   f"{ratio(min(ratios))} – {ratio(max(ratios))}")
+                   f"{ratio(min(ratios))} – {ratio(max(ratios))}", paths_taken(paths[rule], 1))
     listed = ", ".join(f"{count} × {m}×{n}" for (m, n), count in shapes.items())
     early = FactorSettings().early_dtype(torch.device(device))
     timing.notes.append(
