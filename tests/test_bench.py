@@ -51,7 +51,7 @@ def test_the_factors_table_times_both_settings_and_names_autos_paths():
     for row in table.rows:
         counts = [int(part.split()[-1]) for part in row[5].split(", ")]
         assert sum(counts) == 16
-        assert float(row[6]) < 1e-3 and float(row[7]) < 1e-3
+        assert float(row[6]) < 1e-3 and float(row[7]) < 1e-3 and float(row[8]) < 1e-3
 
 
 def test_table_renders_markdown_and_refuses_ragged_rows():
