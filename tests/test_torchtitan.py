@@ -233,3 +233,19 @@ def test_another_torchtitan_version_is_refused_in_one_line(monkeypatch):
     message = str(error.value)
     assert message.startswith("torchtitan 0.4.0 is installed, but isoloco's torchtitan recipe supports torchtitan "
                               "0.3.0 only") and "\n" not in message
+
+
+def test_excluded_matrices_take_plain_nesterov_and_the_others_iso_c():
+    from isoloco.ortho import iso_correct
+    from isoloco.torchtitan.diloco import fragment_outer_optimizer
+
+    settings = OuterSettings(exclude=["*tok_embeddings*"])
+    grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    embedding, matrix = (torch.nn.Parameter(torch.zeros(6, 4)) for _ in range(2))
+    outer = fragment_outer_optimizer([("tok_embeddings.weight", embedding), ("layers.0.attention.wo.weight", matrix)],
+                                     settings)
+    embedding.grad, matrix.grad = grad.clone(), grad.clone()
+    outer.step()
+    first = settings.lr * (1 + settings.momentum)  # Nesterov's first step: u = g + μ·g
+    torch.testing.assert_close(embedding.detach(), -first * grad)
+    torch.testing.assert_close(matrix.detach(), -first * iso_correct(grad, settings.merge_config().iso))

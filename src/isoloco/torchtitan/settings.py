@@ -49,7 +49,7 @@ class OuterSettings:
 
     exclude: list[str] = field(default_factory=list)
     """comma-separated fnmatch patterns of parameter names whose matrices take the plain mean, e.g.
-    tok_embeddings.weight,output.weight (empty: Iso-C corrects every matrix)"""
+    tok_embeddings.weight,lm_head.weight (empty: Iso-C corrects every matrix)"""
 
     def merge_config(self) -> MergeConfig:
         """isoloco's merge settings these flags describe."""
