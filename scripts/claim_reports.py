@@ -81,6 +81,11 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
     # The compressed sum (scripts/tuned_science.sh compressed): tuned DiLoCo and IsoLoCo at R = 8 and 16,
     # exact and compressed, seeds 1-3 (seed 0 chose the tuned settings).
     "compressed-science": [("main", "dp-s[123]", ""), ("compressed/*", "*-s*", "{sweep}-")],
+    # The compressed grid's error-feedback settings rerun on the engine whose error feedback is
+    # lossless at every number of islands (OUT=results/claims/compressed-lossless ONLY="int8-ef
+    # int4-ef" scripts/tuned_science.sh compressed), against the same exact runs.
+    "lossless-science": [("main", "dp-s[123]", ""), ("compressed/*-exact", "*-s*", "{sweep}-"),
+                         ("compressed-lossless/*", "*-s*", "{sweep}-")],
     # Compression at 100× (scripts/tuned_science.sh compress): R = 8 (and 16 where the verdict
     # hinges), against the compressed grid's exact and int8 / int4 (with error feedback) runs of the
     # same methods, R and seeds.
@@ -246,6 +251,7 @@ REPORTS: dict[str, list[str]] = {
     "claim4-tuned": ["isoloco:isoc outer.lr=2.1", "isoloco:isoc outer.lr=3.0"],
     "compressed-science": tuned_pairs(compressed_label, COMPRESSED_SETTINGS, head_to_head=False),
     "compress-science": tuned_pairs(compress_label, COMPRESS_SETTINGS),
+    "lossless-science": tuned_pairs(compressed_label, tuple(kw for kw in COMPRESSED_SETTINGS if kw.get("feedback"))),
     # Then each remedy against the setting it is held against (`STRAGGLER_REMEDIES`; the late draws
     # are the same in both, seed by seed).
     "stragglers-science": [*tuned_pairs(straggler_label, STRAGGLER_SETTINGS),
