@@ -170,7 +170,8 @@ for name in ("llama3_isoloco_debugmodel", "llama3_isoloco_178m"):
     config = getattr(config_registry, name)()
     model = config.model_spec.model
     found["configs"][name] = [type(config).__qualname__, config.isoloco.rule, model.dim, len(model.layers),
-                              model.vocab_size, config.fault_tolerance.sync_steps]
+                              model.vocab_size, config.fault_tolerance.sync_steps, config.training.steps,
+                              config.optimizer.param_groups[0].optimizer_kwargs["lr"]]
 for key, flags in json.loads(sys.argv[1]).items():
     try:
         check_recipe(ConfigManager().parse_args(["--module", "isoloco.torchtitan", "--config",
@@ -192,8 +193,8 @@ def inspected() -> dict:
 
 def test_the_config_entries_build_the_debug_model_and_the_178m_shape(inspected):
     assert inspected["configs"] == {
-        "llama3_isoloco_debugmodel": ["IsoLoCoTrainer.Config", "iso_c", 256, 6, 2048, 10],
-        "llama3_isoloco_178m": ["IsoLoCoTrainer.Config", "iso_c", 1024, 9, 32000, 30]}
+        "llama3_isoloco_debugmodel": ["IsoLoCoTrainer.Config", "iso_c", 256, 6, 2048, 10, 100, 8e-4],
+        "llama3_isoloco_178m": ["IsoLoCoTrainer.Config", "iso_c", 1024, 9, 32000, 30, 6750, 0.00138]}
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))

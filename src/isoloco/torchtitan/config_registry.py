@@ -6,8 +6,9 @@ with IsoLoCo's outer step (the ``--isoloco.*`` defaults) and profiling off:
 
 * `llama3_isoloco_debugmodel`: torchtitan's 6.2M-parameter Llama 3 debug model;
 * `llama3_isoloco_178m`: a Llama 3 of the shape of isoloco's ``paper-178m`` preset (hidden 1024,
-  9 layers of 8 heads, FFN 2688, a 32,000-token vocabulary, untied embeddings), H = 30, on C4;
-  give it the tokenizer of that vocabulary with ``--hf_assets_path``.
+  9 layers of 8 heads, FFN 2688, a 32,000-token vocabulary, untied embeddings), its H = 30, 225
+  rounds and IsoLoCo's inner learning rate, on C4; give it the tokenizer of that vocabulary with
+  ``--hf-assets-path``.
 
 Every value is a flag; e.g. ``--fault_tolerance.sync_steps 20 --isoloco.fast``.
 """
@@ -32,12 +33,14 @@ from torchtitan.models.llama3 import (_EMBEDDING_INIT, _NORM_INIT, _build_llama3
                                       _output_linear_init)
 from torchtitan.tools.profiler import Profiler  # noqa: E402
 
+from isoloco.methods import METHODS  # noqa: E402
 from isoloco.model import MODEL_PRESETS  # noqa: E402
 from isoloco.torchtitan.trainer import IsoLoCoTrainer  # noqa: E402
 
-#: The paper's vocabulary (the Llama 2 tokenizer's) and H at 178M.
+#: The paper's vocabulary (the Llama 2 tokenizer's), H and rounds at 178M (isoloco's paper-178m).
 PAPER_VOCAB = 32000
 PAPER_SYNC_STEPS = 30
+PAPER_ROUNDS = 225
 
 
 def llama3_paper_shape(name: str, attn_backend: str = "flex") -> Llama3Model.Config:
@@ -82,9 +85,14 @@ def llama3_isoloco_debugmodel() -> IsoLoCoTrainer.Config:
 
 
 def llama3_isoloco_178m() -> IsoLoCoTrainer.Config:
-    """IsoLoCo on the paper's 178M shape, H = 30, C4."""
+    """IsoLoCo on the paper's 178M shape, H = 30, C4: the paper's 225 rounds and inner AdamW
+    learning rate, one validation at the end."""
     config = recipe(model_spec("178m"))
     config.fault_tolerance.sync_steps = PAPER_SYNC_STEPS
     config.fault_tolerance.num_fragments = 1
+    config.training.steps = PAPER_ROUNDS * PAPER_SYNC_STEPS
+    config.validator.freq = config.training.steps
+    (adamw,) = config.optimizer.param_groups
+    adamw.optimizer_kwargs["lr"] = METHODS["isoloco"]["inner.lr"]
     config.dataloader = HuggingFaceTextDataLoader.Config(dataset="c4")
     return config
