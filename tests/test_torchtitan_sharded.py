@@ -57,6 +57,7 @@ def _rank(rank: int, store: str, out: Path) -> None:
                 ours.step()
             errors[name] = {n: (p.detach().full_tensor() - plain[n].detach()).abs().max().item()
                             for n, p in sharded.items()}
+        dist.barrier()  # neither leaves while the other still talks: gloo aborts a process whose peer left
     finally:
         dist.destroy_process_group()
     (out / f"rank{rank}.json").write_text(json.dumps(errors))
