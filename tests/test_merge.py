@@ -599,7 +599,7 @@ def test_one_collective_per_bucket_and_phase():
 @pytest.mark.parametrize("finder_dtype", ["bfloat16", "float32"])
 def test_randomized_factors_match_the_exact_ones_where_auto_takes_them(finder_dtype):
     """A worker keeping at most 1/16 of the rank: the range finder's merge is the exact one
-    to well within 1e-3 on deltas with decaying spectra (a shared part plus each worker's
+    to within half the 1e-3 bar on deltas with decaying spectra (a shared part plus each worker's
     own directions), whether its early iterations run in bfloat16 or not; where a worker
     keeps more, auto is the exact path itself."""
     g = torch.Generator().manual_seed(0)
@@ -609,13 +609,13 @@ def test_randomized_factors_match_the_exact_ones_where_auto_takes_them(finder_dt
         v = torch.linalg.qr(torch.randn(cols, 64, generator=g))[0]
         return (u * rate ** torch.arange(64.0)) @ v.T
 
-    shared = decaying(96, 80, 0.8)
-    deltas = [shared + 0.5 * decaying(96, 80, 0.7) for _ in range(16)]
+    shared = decaying(192, 160, 0.8)  # a rank of at least RANDOMIZED_MIN_RANK: auto considers the finder
+    deltas = [shared + 0.5 * decaying(192, 160, 0.7) for _ in range(16)]
     for rule in (merge.tsv, merge.iso_cts):
         exact = rule(deltas, factors="exact")
         relative = (rule(deltas, factors="auto", finder_dtype=finder_dtype) - exact).norm() / exact.norm()
-        assert 0 < relative < 1e-4, (rule.__name__, relative)
-    two = deltas[:2]  # k = 40 of 80: auto takes the full SVD
+        assert 0 < relative < 5e-4, (rule.__name__, relative)
+    two = deltas[:2]  # k = 80 of 160: auto takes the full SVD
     assert torch.equal(merge.tsv(two, factors="auto"), merge.tsv(two, factors="exact"))
 
 

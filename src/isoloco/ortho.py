@@ -590,10 +590,14 @@ def iso_correct(matrix: torch.Tensor, settings: IsoSettings = IsoSettings()) -> 
 #: How `top_factors` finds a matrix's top-k singular triplets: a full SVD (``exact``), a
 #: randomized range finder (Halko, Martinsson, Tropp 2011) whose cost is matmuls with
 #: k + oversample columns (``randomized``), or ``auto``: randomized where k is at most
-#: 1/`RANDOMIZED_MAX_FRACTION` of the rank, where it is both much cheaper and accurate on
-#: pseudo-gradients (docs/fidelity.md, "Truncated factors and DARE's masks"), exact elsewhere.
+#: 1/`RANDOMIZED_MAX_FRACTION` of a rank of at least `RANDOMIZED_MIN_RANK`, where it is both much
+#: cheaper and accurate on pseudo-gradients (docs/fidelity.md, "Truncated factors and DARE's
+#: masks"), exact elsewhere.
 FACTOR_METHODS = ("auto", "exact", "randomized")
 RANDOMIZED_MAX_FRACTION = 16
+#: Below this rank LAPACK's SVD costs less than the finder's many small steps (on one CPU
+#: thread, 0.5–0.6× at rank 64 and 8–14× more at rank 128: docs/benchmarks.md, "Thresholds in the code").
+RANDOMIZED_MIN_RANK = 128
 
 #: ``auto`` keeps the range finder's top-k only where an a-posteriori estimate (`_Found.accurate`)
 #: puts their singular subspaces within this ‖sin Θ‖_F of the exact ones, and so each worker's
@@ -709,7 +713,8 @@ class FactorSettings:
 
     def randomized(self, k: int, rank: int) -> bool:
         """Whether the top `k` of a rank-`rank` matrix come from the range finder."""
-        wanted = self.method == "randomized" or (self.method == "auto" and RANDOMIZED_MAX_FRACTION * k <= rank)
+        wanted = self.method == "randomized" or (
+            self.method == "auto" and RANDOMIZED_MAX_FRACTION * k <= rank and rank >= RANDOMIZED_MIN_RANK)
         # With as many columns as the rank, a range finder costs what the SVD costs.
         return wanted and k + self.oversample < rank
 
