@@ -595,8 +595,8 @@ def iso_correct(matrix: torch.Tensor, settings: IsoSettings = IsoSettings()) -> 
 #: masks"), exact elsewhere.
 FACTOR_METHODS = ("auto", "exact", "randomized")
 RANDOMIZED_MAX_FRACTION = 16
-#: Below this rank LAPACK's SVD costs less than the finder's many small steps (on one CPU
-#: thread, 0.5–0.6× at rank 64 and 8–14× more at rank 128: docs/benchmarks.md, "Thresholds in the code").
+#: Below this rank LAPACK's SVD costs less than the finder's many small steps, even where the
+#: finder's factors pass (docs/benchmarks.md, "Thresholds in the code").
 RANDOMIZED_MIN_RANK = 128
 
 #: ``auto`` keeps the range finder's top-k only where an a-posteriori estimate (`_Found.accurate`)
