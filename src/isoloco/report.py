@@ -469,8 +469,9 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                   "budget and seed (dp does not depend on R or H). Mean ± sample standard deviation over seeds; "
                   "runs of a method that differ in anything but the seed (their variant) are separate rows. Peak "
                   "val loss: the highest validation loss at any evaluation (of any seed)."
-              + (" Wire bytes: what crossed between islands over the run, all processes; exposed sync: the "
-                 "seconds training waited for synchronisations." if link else "")
+              + (" Wire bytes: what crossed between islands over the run, all processes, measured (0 in one "
+                 "process, which has no islands to cross); exposed sync: the seconds training waited for "
+                 "synchronisations." if link else "")
               + (" Slow link per round: the bytes a synchronisation puts on the slow link per process, measured "
                  "across processes, modelled (the cost model, R islands of one worker) in a one-process run; × "
                  "fewer than float32: float32's for the same model and layout, divided by them." if slow else ""),
