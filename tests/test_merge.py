@@ -198,6 +198,13 @@ def test_ties_matches_peft(density, workers):
     torch.testing.assert_close(merge.ties(deltas, density=density), expected, rtol=1e-12, atol=1e-12)
 
 
+def test_ties_zero_entries_neither_agree_nor_count():
+    """Density 1 keeps every entry (threshold 0): a zero has no sign, so it is not among the
+    agreeing entries of either elected sign, by hand."""
+    deltas = [torch.tensor([1.0, 0.0, -2.0, 0.0]), torch.tensor([3.0, 0.0, 0.0, -1.0])]
+    assert torch.equal(merge.ties(deltas, density=1.0), torch.tensor([2.0, 0.0, -2.0, -1.0]))
+
+
 def test_ties_keeps_ties_at_the_threshold():
     delta = torch.tensor([3.0, -1.0, 1.0, 0.5])
     # density 0.5 keeps 2 entries; |-1| and |1| tie for second place, so both stay.
