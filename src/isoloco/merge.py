@@ -100,7 +100,7 @@ class MergeConfig:
         FactorSettings.method,
         "TSV / Iso-CTS: how each worker's top singular directions are found: randomized (a range finder, "
         "matmuls only), exact (a full SVD per worker), or auto (randomized where a worker keeps at most 1/16 of "
-        "the rank, exact elsewhere)", choices=FACTOR_METHODS)
+        "a rank of at least 128 and its factors pass a certificate, exact top-k elsewhere)", choices=FACTOR_METHODS)
     oversample: int = option(FactorSettings.oversample, "factors=randomized: extra columns beyond the k wanted")
     power_iters: int = option(FactorSettings.power_iters, "factors=randomized: subspace iterations")
     finder_dtype: str = option(
