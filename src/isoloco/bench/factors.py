@@ -18,11 +18,14 @@ every rule on recorded pseudo-gradients.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from isoloco.bench.table import Table, ratio
 from isoloco.bench.timing import interleaved
@@ -65,12 +68,16 @@ def slowly_decaying(shape: tuple[int, int], workers: int) -> list[torch.Tensor]:
 def recorded_deltas(workers: int) -> dict[str, list[torch.Tensor]]:
     """Every parameter's per-worker pseudo-gradients (float32, as the outer step receives them)
     of `RECORDED`'s round at R = `workers`: trained on the CPU and saved the first time."""
-    path = RECORD_DIR / f"{RECORDED['preset']}-{RECORDED['method']}-R{workers}-round{RECORDED['round']}.pt"
+    path = RECORD_DIR / f"{RECORDED['preset']}-{RECORDED['method']}-R{workers}-round{RECORDED['round']}.safetensors"
     if not path.exists():
         deltas = trained_deltas(RECORDED["round"], RECORDED["preset"], method=RECORDED["method"], workers=workers)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({name: [delta.float() for delta in per_worker] for name, per_worker in deltas.items()}, path)
-    return torch.load(path)
+        # safetensors, not torch.save: nothing this package reads back is unpickled.
+        save_file({f"{name}/{worker}": delta.float().contiguous() for name, per_worker in deltas.items()
+                   for worker, delta in enumerate(per_worker)}, str(path), metadata={"names": json.dumps(list(deltas))})
+    with safe_open(str(path), "pt") as stored:
+        return {name: [stored.get_tensor(f"{name}/{worker}") for worker in range(workers)]
+                for name in json.loads(stored.metadata()["names"])}
 
 
 def paths_taken(counts: Counter, merges: int) -> str:
