@@ -32,7 +32,9 @@ def final_line(summary: dict, where: str) -> str:
     return (f"final validation loss {summary['final_val_loss']:.4f} (unigram baseline "
             f"{summary['unigram_baseline']:.4f}); slow link {summary['slow_link_bytes_per_round']:,.0f} bytes per "
             f"process per round ({where}; float32 {summary['slow_link_float32_bytes_per_round']:,.0f}), "
-            f"{summary['slow_link_fewer_than_float32']:.1f}× fewer than float32; {across}"
+            + ("no fewer than float32 (uncompressed)"
+               if summary["slow_link_bytes_per_round"] == summary["slow_link_float32_bytes_per_round"]
+               else f"{summary['slow_link_fewer_than_float32']:.1f}× fewer than float32") + f"; {across}"
             f"{summary['exposed_sync_seconds']:.2f} s of synchronisation exposed"
             + (f"; WARNING: above the unigram baseline from step {summary['above_unigram_baseline_at_step']} "
                f"(validation loss {summary['above_unigram_baseline_val_loss']:.4f} there)"
@@ -58,6 +60,7 @@ def test_a_two_process_run_sums_its_cross_island_bytes_and_exposed_seconds(tmp_p
     assert summary["slow_link_bytes_per_round"] == summary["slow_link_float32_bytes_per_round"] == 4 * summary["params"]
     assert summary["slow_link_bytes_source"] == "measured"
     assert done.stdout.splitlines()[-1] == final_line(summary, "measured for this layout")
+    assert "no fewer than float32 (uncompressed)" in done.stdout.splitlines()[-1]
 
 
 def test_the_totals_survive_a_resume(tmp_path, capsys):

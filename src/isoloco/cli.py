@@ -234,8 +234,10 @@ def _slow_link_said(summary: dict[str, Any], cfg: TrainConfig) -> str:
         return "no slow link (one island)"
     source = summary["slow_link_bytes_source"]
     where = f"{cfg.workers} islands of one worker each" if source == "modelled" else "this layout"
-    return (f"slow link {summary['slow_link_bytes_per_round']:,.0f} bytes per process per round ({source} for "
-            f"{where}; float32 {summary['slow_link_float32_bytes_per_round']:,.0f}), {fewer:.1f}× fewer than float32")
+    sent, float32 = summary["slow_link_bytes_per_round"], summary["slow_link_float32_bytes_per_round"]
+    saving = "no fewer than float32 (uncompressed)" if sent == float32 else f"{fewer:.1f}× fewer than float32"
+    return (f"slow link {sent:,.0f} bytes per process per round ({source} for {where}; float32 {float32:,.0f}), "
+            f"{saving}")
 
 
 def _resume_command(out: Path, world_size: int) -> str:
