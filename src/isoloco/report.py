@@ -415,8 +415,8 @@ def _footnotes(unstable: bool, above: bool, scope: str = "") -> list[str]:
     """The lines under a table that say what its marks mean; none when nothing is marked."""
     lines = [f"{UNSTABLE_MARK} ended above the unigram baseline (unstable){scope}: not counted as support."] * unstable
     lines += [f"{ABOVE_UNIGRAM_MARK} validation loss above the unigram baseline at an evaluation{scope} (peak val "
-              "loss): at an early one the model had not yet learnt the token frequencies; at a later one it "
-              "diverged for a while."] * above
+              "loss): at the first, a model that has not yet learnt the token frequencies, unless the loss is "
+              "above ln(vocabulary), worse than a uniform guess; at a later one, a divergence for a while."] * above
     return ["", *lines] if lines else []
 
 
