@@ -22,7 +22,7 @@ from isoloco.bench.table import Table, ratio
 from isoloco.sync.codec import Quantization
 from isoloco.sync.compressed import ChunkPlan, island_sum
 from isoloco.sync.handles import Pending, run_to_end
-from isoloco.sync.islands import Fold, IslandLink
+from isoloco.sync.islands import Fold, IslandLink, folded
 
 T = TypeVar("T")
 #: (P, G) layouts timed on the same bucket: one chunk, and 64 chunks per tensor.
@@ -43,9 +43,7 @@ class LoopbackLink(IslandLink):
         return self.gather(parts[0], fold_for(0))
 
     def gather(self, blob: torch.Tensor, fold: Fold[T]) -> Pending[T]:
-        for source in range(self.islands):
-            fold.take(source, blob)
-        return Pending.done(fold.result())
+        return Pending.done(folded(fold, [blob] * self.islands))
 
     def join(self, part: torch.Tensor) -> Pending[list[torch.Tensor]]:
         return Pending.done([part] * self.slices[0])

@@ -131,17 +131,18 @@ class CommLink(IslandLink):
         # What every island sends here is as large as what this island keeps for itself.
         own = parts[self.island].numel()
         handle = self._comm.exchange(torch.cat(parts), [part.numel() for part in parts], [own] * self.islands)
-        return Pending([handle], lambda: _folded(fold_for(self.island), handle.wait()))
+        return Pending([handle], lambda: folded(fold_for(self.island), handle.wait()))
 
     def gather(self, blob: torch.Tensor, fold: Fold[T]) -> Pending[T]:
         handle = self._comm.gather_peers(blob)
-        return Pending([handle], lambda: _folded(fold, handle.wait()))
+        return Pending([handle], lambda: folded(fold, handle.wait()))
 
     def join(self, part: torch.Tensor) -> Pending[list[torch.Tensor]]:
         return self._comm.join_island(part)
 
 
-def _folded(fold: Fold[T], blobs: Sequence[torch.Tensor]) -> T:
+def folded(fold: Fold[T], blobs: Sequence[torch.Tensor]) -> T:
+    """`fold`'s result over `blobs`, island i's blob at index i."""
     for source, blob in enumerate(blobs):
         fold.take(source, blob)
     return fold.result()
