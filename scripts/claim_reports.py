@@ -91,6 +91,10 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
     # same methods, R and seeds.
     "compress-science": [("main", "dp-s[123]", ""), ("compressed/*-exact", "*-s*", "{sweep}-"),
                          ("compressed/*-int[48]-ef", "*-s*", "{sweep}-"), ("compress/*", "*-s*", "{sweep}-")],
+    # The tuned-per-compressor grid (scripts/compress_tuned.py): each compressor x method x R at the
+    # outer step seed 0 chose for it, seeds 1-3, against the compressed grid's exact runs.
+    "compressors-science": [("main", "dp-s[123]", ""), ("compressed/*-exact", "*-s*", "{sweep}-"),
+                            ("compress-tuned/*-R*", "*-s[123]", "{sweep}-")],
     # Stragglers and late workers (scripts/tuned_science.sh stragglers): R = 8, against the compressed
     # grid's exact runs of the same methods and seeds (fault-free, every worker at full speed).
     "stragglers-science": [("main", "dp-s[123]", ""), ("compressed/*-exact", "*-R8-*", "{sweep}-"),
@@ -203,6 +207,16 @@ COMPRESS_SETTINGS = (
     *({"compress": "lowrank", "rank": r, "quantize": "int8", "feedback": True} for r in (8, 4, 2, 1)),
     *({"compress": "topk", "density": d, "quantize": "int8", "feedback": True} for d in (0.1, 0.03, 0.01)),
 )
+#: scripts/compress_tuned.py's settings of DiLoCo and IsoLoCo, as `compress_label` arguments: low rank 4
+#: with int8 factors and error feedback, then its variants (the hidden matrices only, the embeddings
+#: and head whole at int4; without error feedback; float32 factors).
+TUNED_LOWRANK = {"compress": "lowrank", "quantize": "int8", "feedback": True}
+TUNED_COMPRESS_SETTINGS = (TUNED_LOWRANK, {**TUNED_LOWRANK, "quantize": "int4"}, {**TUNED_LOWRANK, "feedback": False},
+                           {**TUNED_LOWRANK, "quantize": "none"})
+#: The baselines and IsoLoCo's merging-aware variants of that grid at about the same bytes, each
+#: method's label (SparseLoCo's methods send their own tiles: their merge.* keys are the defaults).
+COMPRESSED_BASELINES = (compress_label("diloco", **TUNED_LOWRANK), compress_label("sparseloco"))
+MERGING_VARIANTS = (compress_label("isoloco", **TUNED_LOWRANK), compress_label("sparseloco_isoc"))
 #: scripts/tuned_science.sh compressed's settings other than the exact one, as `compressed_label` arguments.
 COMPRESSED_SETTINGS = ({"quantize": "int8"}, {"quantize": "int8", "feedback": True}, {"quantize": "int4"},
                        {"quantize": "int4", "feedback": True})
@@ -252,6 +266,16 @@ REPORTS: dict[str, list[str]] = {
     "compressed-science": tuned_pairs(compressed_label, COMPRESSED_SETTINGS, head_to_head=False),
     "compress-science": tuned_pairs(compress_label, COMPRESS_SETTINGS),
     "lossless-science": tuned_pairs(compressed_label, tuple(kw for kw in COMPRESSED_SETTINGS if kw.get("feedback"))),
+    # What each compressor costs its method against exact (SparseLoCo against DiLoCo's exact runs, its
+    # Iso-C against IsoLoCo's), IsoLoCo against DiLoCo under each, every merging-aware variant against
+    # every compressed baseline, and what error feedback and int8 factors are worth.
+    "compressors-science": [*tuned_pairs(compress_label, TUNED_COMPRESS_SETTINGS),
+                            f"{compress_label('sparseloco')}:{compress_label('diloco')}",
+                            f"{compress_label('sparseloco_isoc')}:{compress_label('isoloco')}",
+                            *(f"{variant}:{baseline}" for variant in MERGING_VARIANTS for baseline in COMPRESSED_BASELINES
+                              if (variant, baseline) != MERGING_VARIANTS[:1] + COMPRESSED_BASELINES[:1]),
+                            *(f"{compress_label(m, **kw)}:{compress_label(m, **TUNED_LOWRANK)}"
+                              for kw in TUNED_COMPRESS_SETTINGS[2:] for m in ("isoloco", "diloco"))],
     # Then each remedy against the setting it is held against (`STRAGGLER_REMEDIES`; the late draws
     # are the same in both, seed by seed).
     "stragglers-science": [*tuned_pairs(straggler_label, STRAGGLER_SETTINGS),

@@ -9,10 +9,12 @@ settings, R and methods are the view's (results.csv and summary.csv); what a set
 read from its runs' config.yaml (SparseLoCo's tiles, parameters kept whole included). Bytes are
 the runs' own `slow_link_bytes_per_round` (summary.json) where they record it, and otherwise the
 cost model's figure for their merge with every worker an island (P = R, as the simulator plays
-them), `isoloco.merge.wire_bytes_per_merge`: the counts the metrics' `wire_bytes_cross_island`
+them), `isoloco.algorithms.SlowLinkModel` (SparseLoCo's all-gather, or the merge's collectives): the counts the metrics' `wire_bytes_cross_island`
 equals on gloo (tests/test_merge_compress.py). Beside each setting, from the view's compare.md:
-its equivalence test against the method's exact runs, and IsoLoCo − DiLoCo under it; then, per
-method and R, the largest compression whose test passes. Mid-run stability comes from each run's
+its equivalence test against the method's exact runs (SparseLoCo's against DiLoCo's, its Iso-C
+against IsoLoCo's), and the merging-aware method against its baseline under it (IsoLoCo − DiLoCo,
+SparseLoCo's Iso-C − SparseLoCo); then, per method and R, the largest compression whose test
+passes, and every merging-aware setting against every baseline within 1.5× of its bytes. Mid-run stability comes from each run's
 evaluations (metrics.jsonl) against its corpus's unigram loss (summary.json's `unigram_baseline`)
 and ln(vocabulary), the loss of a uniform guess.
 """
@@ -33,12 +35,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 from claim_reports import compare_rows, compress_label, difference_cell  # noqa: E402  (scripts/, beside this file)
+from isoloco.algorithms import SlowLinkModel  # noqa: E402
 from isoloco.bench.workload import parameter_shapes  # noqa: E402
 from isoloco.config import TrainConfig, from_dict  # noqa: E402
-from isoloco.merge import MergeConfig, wire_bytes_per_merge  # noqa: E402
 
 #: The view the page quotes; a later grid's view is named with --view.
 VIEW = "compress-science"
+#: Whose exact runs a method's compressed runs are held against (SparseLoCo's methods have no
+#: uncompressed form: DiLoCo's and IsoLoCo's at their tuned steps stand in), and the method each
+#: merging-aware method meets head to head under the same compressor.
+EXACT_OF = {"sparseloco": "diloco", "sparseloco_isoc": "isoloco"}
+PARTNER = {"isoloco": "diloco", "sparseloco_isoc": "sparseloco"}
+#: A merging-aware variant and a baseline are at matched bytes within this factor of each other.
+MATCHED_BYTES = 1.5
 #: The keys of a variant that say what crosses the link (`setting_name` names them); the others
 #: (an outer step, say) are shown as they are.
 LINK_KEYS = ("merge.compress", "merge.quantize", "merge.error_feedback", "outer.transport", "outer.sparse_")
@@ -88,8 +97,9 @@ def read_run(run_dir: Path) -> tuple[Run, TrainConfig]:
     losses = [record["val_loss"] for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
               if "val_loss" in record]
     names, shapes = zip(*parameter_shapes(cfg.model))
-    float32 = wire_bytes_per_merge(shapes, MergeConfig(), cfg.workers, names)
-    sent = summary.get("slow_link_bytes_per_round") or wire_bytes_per_merge(shapes, cfg.merge, cfg.workers, names)
+    model = SlowLinkModel.of(cfg, list(names), list(shapes), cfg.workers, 1)
+    sent = summary.get("slow_link_bytes_per_round") or model.bytes
+    float32 = summary.get("slow_link_float32_bytes_per_round") or model.float32
     unigram = summary["unigram_baseline"]
     return Run(cfg.seed, sent, float32, unigram, stability(losses, unigram, cfg.data.vocab_size)), cfg
 
@@ -111,6 +121,13 @@ def setting_name(cfg: TrainConfig, variant: str) -> str:
         name = f"{values}{feedback}"
     others = [pair for pair in variant.split() if not pair.startswith(LINK_KEYS)]
     return f"{name} ({' '.join(others)})" if others else name
+
+
+def run_label(method: str, cfg: TrainConfig) -> str:
+    """What the view's --compare pairs call a run of `method` with `cfg`'s compression."""
+    merge = cfg.merge
+    return compress_label(method, merge.compress, merge.compress_rank, merge.compress_density, merge.quantize,
+                          merge.error_feedback)
 
 
 def compressor(cfg: TrainConfig) -> str:
@@ -144,8 +161,11 @@ def frontier(view: Path) -> list[dict]:
                 continue
             group, cfg = [run for run, _ in runs[key]], runs[key][0][1]
             pairs = compare_rows(view, int(row["R"]))
-            to_exact = pairs.get(f"{row['method']} {row['variant']} − {compress_label(row['method'])}", {})
-            methods = {f"{method} {row['variant']}": method for method in ("isoloco", "diloco")}
+            method = row["method"]
+            label = run_label(method, cfg)
+            to_exact = pairs.get(f"{label} − {compress_label(EXACT_OF.get(method, method))}", {})
+            merging = next((m for m, partner in PARTNER.items() if method in (m, partner)), None)
+            methods = {run_label(m, cfg): m for m in (merging, PARTNER.get(merging))} if merging else {}
             sent = sum(run.bytes for run in group) / len(group)
             rows.append({"method": row["method"], "R": int(row["R"]), "setting": setting_name(cfg, row["variant"]),
                          "compressor": compressor(cfg), "bytes": sent, "ratio": group[0].float32 / sent,
@@ -157,7 +177,8 @@ def frontier(view: Path) -> list[dict]:
                          "mid_run": mid_run_cell(group),
                          "first_above_uniform": sum(run.stability.first_above_uniform for run in group),
                          "to_exact": to_exact.get("equivalence (±1%)", "—"),
-                         "head_to_head": difference_cell(pairs, *methods, methods)})
+                         "label": label, "pairs": pairs,
+                         "head_to_head": difference_cell(pairs, *methods, methods) if methods else "—"})
     return sorted(rows, key=lambda r: (r["R"], r["method"], -r["bytes"]))
 
 
@@ -170,6 +191,28 @@ def largest_equivalent(rows: list[dict]) -> dict[tuple[int, str], dict]:
         if r["to_exact"].endswith("pass") and r["ratio"] > best.get(key, {"ratio": 0})["ratio"]:
             best[key] = r
     return best
+
+
+def matched_bytes(rows: list[dict]) -> list[str]:
+    """Per R, each compressed merging-aware row (IsoLoCo, SparseLoCo's Iso-C) against each compressed
+    baseline row (DiLoCo, SparseLoCo) within `MATCHED_BYTES` of its bytes: both losses, and the
+    paired difference with its call after BH ("—" while the report lacks the pair)."""
+    lines = []
+    for count in sorted({r["R"] for r in rows}):
+        here = [r for r in rows if r["R"] == count and r["ratio"] > 1.0]
+        for variant in sorted((r for r in here if r["method"] in PARTNER), key=lambda r: r["loss"]):
+            for base in sorted((r for r in here if r["method"] in PARTNER.values()), key=lambda r: r["loss"]):
+                if max(variant["bytes"], base["bytes"]) > MATCHED_BYTES * min(variant["bytes"], base["bytes"]):
+                    continue
+                names = {variant["label"]: variant["method"], base["label"]: base["method"]}
+                lines.append(f"| {count} | {variant['method']}, {variant['setting']} ({variant['ratio']:.1f}×) | "
+                             f"{variant['loss']:.4f} ± {variant['sd']:.4f} | {base['method']}, {base['setting']} "
+                             f"({base['ratio']:.1f}×) | {base['loss']:.4f} ± {base['sd']:.4f} | "
+                             f"{difference_cell(variant['pairs'], variant['label'], base['label'], names)} |")
+    header = ["| R | merging-aware (× fewer than float32) | final loss | baseline (× fewer than float32) | final loss | "
+              "difference, call after BH |", "|---|---|---|---|---|---|"]
+    return header + lines if lines else ["No merging-aware setting has a baseline within "
+                                         f"{MATCHED_BYTES}× of its bytes yet."]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -237,7 +280,7 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| R | method | setting | slow-link bytes per process per round | × fewer than float32 | final loss | "
              "seeds | above the unigram loss after the first evaluation (rose; peak) | first evaluation above "
              "ln(vocab) | ended above the unigram loss | − exact: equivalence (±1%) | "
-             "isoloco − diloco: difference, call after BH |",
+             "merging-aware − its baseline: difference, call after BH |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['R']} | {r['method']} | {r['setting']} | {r['bytes']:,.0f} | {r['ratio']:.1f}× | "
@@ -248,7 +291,9 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(["# Compression frontier", "", "`python scripts/compress_frontier.py` writes this file.", "",
                       "## By setting", "", *lines, "", *footnote(rows), "",
                       "## The largest compression equivalent to exact within ±1% (TOST)", "",
-                      *(best or ["- none yet"]), ""])
+                      *(best or ["- none yet"]), "",
+                      f"## Merging-aware against the compressed baselines at matched bytes (within {MATCHED_BYTES}×)",
+                      "", *matched_bytes(rows), ""])
 
 
 def main() -> None:

@@ -7,7 +7,9 @@ then evaluated on seeds 1-3, on repro-cpu:
 
 Nesterov methods (DiLoCo, IsoLoCo) search lr x momentum; SparseLoCo's methods search the lr of
 their plain SGD step (SparseLoCo's error feedback plays momentum's role). The choice is the
-lowest final validation loss on seed 0; a tie keeps the earlier grid point. Two settings
+lowest final validation loss on seed 0 (a tie keeps the earlier point); where it is the smallest or
+largest lr tried at its momentum, the next lr of `LR_LADDER` beyond it is tried as well, until the
+best lies inside the range tried. Two settings
 without a search of their own (low rank 4 without error feedback, and with float32 factors)
 are evaluated at the step low rank 4 chose, R = 8, to say what error feedback and int8
 factors are worth.
@@ -49,6 +51,9 @@ BORROWED = {
 }
 NESTEROV_STEPS = [(lr, mu) for mu in (0.3, 0.6) for lr in (0.7, 1.0, 1.5)]
 SGD_STEPS = [(lr, 0.0) for lr in (0.5, 1.0, 1.5, 2.0)]
+#: Where a search's best lr is the smallest or largest tried at its momentum, the next of these
+#: beyond it is tried too, until the best is inside the range or the list ends.
+LR_LADDER = (0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 WORKERS = (8, 16)
 EVAL_SEEDS = "1,2,3"
 
@@ -69,15 +74,15 @@ def step_name(lr: float, mu: float) -> str:
 
 @dataclass
 class Task:
-    """One `isoloco sweep` call: a seed-0 grid point, or seeds 1-3 at a choice."""
+    """One `isoloco sweep` call: a seed-0 grid point (`step`), or seeds 1-3 at a search's choice."""
     out: Path
     method: str
     workers: int
     seeds: str
     overrides: str
-    #: the selection tasks whose losses pick this task's step (empty: the step is in overrides)
-    chooses_from: list[Task] = field(default_factory=list)
     step: tuple[float, float] | None = None
+    #: the search whose choice this task runs at (None: the step is in overrides)
+    search: Search | None = None
 
     def runs(self) -> list[Path]:
         return [self.out / f"{self.method}-R{self.workers}-H30-s{s}" for s in self.seeds.split(",")]
@@ -86,73 +91,118 @@ class Task:
         return all((run / "summary.json").exists() for run in self.runs())
 
     def ready(self) -> bool:
-        return all(t.done() for t in self.chooses_from)
+        return self.search is None or self.search.complete()
 
     def final_loss(self) -> float:
         loss = json.loads((self.runs()[0] / "summary.json").read_text()).get("final_val_loss")
         return loss if loss is not None and math.isfinite(loss) else math.inf
 
-    def chosen_step(self) -> tuple[float, float]:
-        best = min(self.chooses_from, key=Task.final_loss)
-        return best.step
-
     def command(self, isoloco: list[str]) -> list[str]:
         overrides = self.overrides
-        if self.chooses_from:
-            overrides = f"{step_overrides(*self.chosen_step())} {overrides}"
+        if self.search is not None:
+            overrides = f"{step_overrides(*self.search.chosen().step)} {overrides}"
         return [*isoloco, "sweep", "repro-cpu", *overrides.split(), "--methods", self.method,
                 "--workers", str(self.workers), "--seeds", self.seeds, "--jobs", "1", "--no-report",
                 "--out", str(self.out)]
 
 
-def plan(out: Path, only: set[str] | None) -> tuple[list[Task], dict[tuple[str, str, int], list[Task]]]:
-    """Every task in the order they start (a task waits for the selection it depends on)."""
+@dataclass
+class Search:
+    """Seed 0 of one setting, method and R over outer steps: the grid, then the ladder's lrs beyond
+    its edge while the best sits there."""
+    folder: Path
+    name: str
+    method: str
+    workers: int
+    overrides: str
+    grid: list[Task] = field(default_factory=list)
+
+    def add(self, step: tuple[float, float]) -> Task:
+        task = Task(self.folder / f"{self.name}-{step_name(*step)}", self.method, self.workers, "0",
+                    f"{step_overrides(*step)} {self.overrides}", step=step)
+        self.grid.append(task)
+        return task
+
+    def chosen(self) -> Task:
+        """The lowest final loss; a tie keeps the earlier point."""
+        return min(self.grid, key=Task.final_loss)
+
+    def beyond(self) -> tuple[float, float] | None:
+        """The step to try next, once every point so far finished: the ladder's next lr past the
+        best one where the best is the smallest or largest lr tried at its momentum."""
+        if not all(t.done() for t in self.grid):
+            return None
+        lr, mu = self.chosen().step
+        tried = sorted(step[0] for step in (t.step for t in self.grid) if step[1] == mu)
+        lower = [v for v in LR_LADDER if v < tried[0]]
+        higher = [v for v in LR_LADDER if v > tried[-1]]
+        if lr == tried[0] and lower:
+            return lower[-1], mu
+        if lr == tried[-1] and higher:
+            return higher[0], mu
+        return None
+
+    def complete(self) -> bool:
+        return all(t.done() for t in self.grid) and self.beyond() is None
+
+
+def plan(out: Path, only: set[str] | None) -> tuple[list[Task], list[Search]]:
+    """Every task in the order they start (a task waits for the search it depends on); the
+    searches grow their grids as `run` finds their best at an edge."""
     tasks: list[Task] = []
-    selections: dict[tuple[str, str, int], list[Task]] = {}
+    searches: dict[tuple[str, str, int], Search] = {}
 
     def search_and_evaluate(setting: str, workers: int) -> tuple[list[Task], list[Task]]:
         methods, overrides = SETTINGS[setting]
-        searches, evaluations = [], []
+        grids, evaluations = [], []
         for method in methods:
-            grid = [Task(out / "select" / f"{method}-{setting}-R{workers}-{step_name(*s)}", method, workers, "0",
-                         f"{step_overrides(*s)} {overrides}", step=s) for s in steps_for(method)]
-            selections[(setting, method, workers)] = grid
-            searches += grid
+            search = Search(out / "select", f"{method}-{setting}-R{workers}", method, workers, overrides)
+            for step in steps_for(method):
+                search.add(step)
+            searches[(setting, method, workers)] = search
+            grids += search.grid
             evaluations.append(Task(out / f"{method}-{setting}-R{workers}", method, workers, EVAL_SEEDS, overrides,
-                                    chooses_from=grid))
-        return searches, evaluations
+                                    search=search))
+        return grids, evaluations
 
     # the settings that answer the issue's question first, the hidden-matrices variant last
     for group in (("lowrank4", "sparseloco"), ("lowrank4-hidden",)):
         for workers in WORKERS:
             for setting in group:
                 if not only or setting in only:
-                    searches, evaluations = search_and_evaluate(setting, workers)
-                    tasks += searches
+                    grids, evaluations = search_and_evaluate(setting, workers)
+                    tasks += grids
                     tasks += evaluations
         for setting, (overrides, searched, workers) in BORROWED.items():
             if (only and setting not in only) or searched not in group:
                 continue
-            if not any(k[0] == searched and k[2] == workers for k in selections):
+            if not any(k[0] == searched and k[2] == workers for k in searches):
                 search_and_evaluate(searched, workers)  # its search, to read the choice from
             for method in SETTINGS[searched][0]:
                 tasks.append(Task(out / f"{method}-{setting}-R{workers}", method, workers, EVAL_SEEDS, overrides,
-                                  chooses_from=selections[(searched, method, workers)]))
-    return tasks, selections
+                                  search=searches[(searched, method, workers)]))
+    return tasks, list(searches.values())
 
 
-def write_selection(out: Path, selections: dict[tuple[str, str, int], list[Task]]) -> None:
+def extend(tasks: list[Task], searches: list[Search]) -> None:
+    """Add the next step of every search whose best sits at its edge, right after its grid. The
+    steps follow from the finished losses alone, so a new process finds the same ones again."""
+    for search in searches:
+        while (step := search.beyond()) is not None:
+            last = search.grid[-1]
+            tasks.insert(tasks.index(last) + 1 if last in tasks else len(tasks), search.add(step))
+
+
+def write_selection(out: Path, searches: list[Search]) -> None:
     """selection.md: every seed-0 final loss, the choice in bold once a search is complete."""
-    lines = ["| setting | method | R | " + " | ".join(["step: final loss (seed 0)"]) + " | chosen |",
-             "|---|---|---|---|---|"]
-    for (setting, method, workers), grid in selections.items():
-        cells, complete = [], all(t.done() for t in grid)
-        chosen = min(grid, key=Task.final_loss).step if complete else None
-        for t in grid:
-            loss = f"{t.final_loss():.4f}" if t.done() else "running or to run"
-            cells.append(f"**{step_name(*t.step)}: {loss}**" if t.step == chosen else f"{step_name(*t.step)}: {loss}")
-        lines.append(f"| {setting} | {method} | {workers} | {'; '.join(cells)} | "
-                     f"{step_name(*chosen) if chosen else 'search incomplete'} |")
+    lines = ["| setting, method, R | step: final loss (seed 0) | chosen |", "|---|---|---|"]
+    for search in searches:
+        chosen = search.chosen() if search.complete() else None
+        cells = []
+        for t in search.grid:
+            cell = f"{step_name(*t.step)}: {t.final_loss():.4f}" if t.done() else f"{step_name(*t.step)}: to come"
+            cells.append(f"**{cell}**" if t is chosen else cell)
+        lines.append(f"| {search.name} | {'; '.join(cells)} | {step_name(*chosen.step) if chosen else 'to come'} |")
     (out / "selection.md").write_text("\n".join(lines) + "\n")
 
 
@@ -177,37 +227,38 @@ def main() -> int:
               file=sys.stderr)
         return 2
     out = args.out.resolve()
-    tasks, selections = plan(out, only)
+    tasks, searches = plan(out, only)
+    extend(tasks, searches)
     isoloco = [sys.executable, "-m", "isoloco"]
     if args.dry_run:
         for t in tasks:
-            state = "done" if t.done() else "ready" if t.ready() else "waits for its selection"
-            print(f"{state:24} {t.out.relative_to(out)}  {t.overrides}")
+            state = "done" if t.done() else "ready" if t.ready() else "waits for its search"
+            print(f"{state:21} {t.out.relative_to(out)}  {t.overrides}")
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    running: dict[int, tuple[Task, subprocess.Popen]] = {}
-    failed: set[int] = set()
+    running: dict[Path, subprocess.Popen] = {}
+    failed: set[Path] = set()
     while True:
-        for i, (task, proc) in list(running.items()):
+        for folder, proc in list(running.items()):
             if proc.poll() is not None:
-                del running[i]
+                del running[folder]
                 if proc.returncode != 0:
-                    failed.add(i)
-                    print(f"failed ({proc.returncode}): {task.out}", file=sys.stderr, flush=True)
-        write_selection(out, selections)
-        pending = [i for i, t in enumerate(tasks) if i not in running and i not in failed and not t.done()]
-        if not running and not any(tasks[i].ready() for i in pending):
+                    failed.add(folder)
+                    print(f"failed ({proc.returncode}): {folder}", file=sys.stderr, flush=True)
+        extend(tasks, searches)
+        write_selection(out, searches)
+        pending = [t for t in tasks if t.out not in running and t.out not in failed and not t.done()]
+        if not running and not any(t.ready() for t in pending):
             # nothing left that can start: done, or waiting on a search whose run failed
             return 1 if failed or pending else 0
-        for i in pending:
+        for task in pending:
             if len(running) >= lanes(out, args.lanes):
                 break
-            if tasks[i].ready():
-                task = tasks[i]
+            if task.ready():
                 task.out.mkdir(parents=True, exist_ok=True)
-                log = open(task.out / "sweep.log", "a")
-                print(f"start: {task.out.relative_to(out)}", flush=True)
-                running[i] = (task, subprocess.Popen(task.command(isoloco), stdout=log, stderr=subprocess.STDOUT))
+                with open(task.out / "sweep.log", "a") as log:
+                    print(f"start: {task.out.relative_to(out)}", flush=True)
+                    running[task.out] = subprocess.Popen(task.command(isoloco), stdout=log, stderr=subprocess.STDOUT)
         time.sleep(5)
 
 

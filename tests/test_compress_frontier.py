@@ -11,6 +11,9 @@ import pytest
 import yaml
 
 from isoloco.config import TrainConfig, apply_values, to_dict
+from isoloco.merge import MergeConfig, wire_bytes_per_merge
+from isoloco.outer import OuterConfig
+from isoloco.sync import sparseloco
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 UNIGRAM, VOCAB = 6.0, 8192  # ln(8192) = 9.01
@@ -82,7 +85,8 @@ def test_a_settings_row_counts_its_own_runs_and_takes_its_own_tests(frontier, tm
          [["diloco", 8, exact, 5.0, ""], ["diloco", 8, low, 5.7, 0.1]])
     header = "| A − B | R | equivalence (±1%) | A − B (final loss) | call after BH |\n|---|---|---|---|---|\n"
     (view / "compare.md").write_text("## Every pair\n\n" + header + "".join(
-        f"| diloco {low} − {frontier.compress_label('diloco')} | {count} | {interval} | +0.5 ± 0.1 | x |\n"
+        f"| {frontier.compress_label('diloco', 'lowrank', 4, quantize='int8', feedback=True)} − "
+        f"{frontier.compress_label('diloco')} | {count} | {interval} | +0.5 ± 0.1 | x |\n"
         for count, interval in ((8, "[+9.00%, +11.00%] fail"), (16, "[-0.10%, +0.10%] pass"))))
 
     rows = {r["setting"]: r for r in frontier.frontier(view)}
@@ -91,8 +95,8 @@ def test_a_settings_row_counts_its_own_runs_and_takes_its_own_tests(frontier, tm
     assert (compressed["rose"], compressed["first_above_uniform"], compressed["ended_above"]) == (1, 1, 0)
     assert compressed["to_exact"] == "[+9.00%, +11.00%] fail"  # R = 8's row, not R = 16's
     names, shapes = zip(*frontier.parameter_shapes("tiny"))
-    sent = frontier.MergeConfig(compress="lowrank", compress_rank=4, quantize="int8", error_feedback=True)
-    modelled = frontier.wire_bytes_per_merge(shapes, sent, 8, names)
+    sent = MergeConfig(compress="lowrank", compress_rank=4, quantize="int8", error_feedback=True)
+    modelled = wire_bytes_per_merge(shapes, sent, 8, names)
     assert compressed["bytes"] == pytest.approx((2 * modelled + 1000.0) / 3)  # a recorded figure beats the model
     assert rows["float32"]["mid_run"] == "0" and rows["float32"]["ratio"] == pytest.approx(1.0)
 
@@ -126,3 +130,50 @@ def test_a_setting_is_named_by_what_crosses_the_link_then_its_other_settings(fro
     assert frontier.setting_name(cfg, "outer.transport=sparseloco outer.sparse_topk=32") == \
         "SparseLoCo top-32 of 64×64 tiles"
     assert frontier.compressor(cfg) == "sparseloco"
+
+
+def test_sparseloco_is_held_against_dilocos_exact_runs_and_its_iso_c_against_it(frontier, tmp_path):
+    view = tmp_path / frontier.VIEW
+    sparse = {"outer.transport": "sparseloco", "outer.optimizer": "sgd", "outer.momentum": 0.0}
+    for method, settings in (("sparseloco", sparse), ("sparseloco_isoc", {**sparse, "merge.rule": "iso_c"})):
+        _run(view, f"{method}-s1", {"method": method, **settings}, 1, [8.0, 5.5, 5.2])
+    _csv(view / "results.csv", ["run", "method", "R", "variant", "seed", "status"],
+         [[f"{m}-s1", m, 8, "", 1, "finished"] for m in ("sparseloco", "sparseloco_isoc")])
+    _csv(view / "summary.csv", ["method", "R", "variant", "final_val_loss_mean", "final_val_loss_std"],
+         [["sparseloco", 8, "", 5.2, ""], ["sparseloco_isoc", 8, "", 5.1, ""]])
+    label = frontier.compress_label
+    header = "| A − B | R | equivalence (±1%) | A − B (final loss) | call after BH |\n|---|---|---|---|---|\n"
+    (view / "compare.md").write_text("## Every pair\n\n" + header + "".join(
+        f"| {a} − {b} | 8 | {interval} | {difference} | {call} |\n" for a, b, interval, difference, call in (
+            (label("sparseloco"), label("diloco"), "[+3.00%, +5.00%] fail", "+0.2 ± 0.05", "x"),
+            (label("sparseloco_isoc"), label("isoloco"), "[+1.00%, +2.00%] fail", "+0.1 ± 0.05", "y"),
+            (label("sparseloco_isoc"), label("sparseloco"), "", "-0.1 ± 0.02",
+             f"{label('sparseloco_isoc')} lower"))))
+
+    rows = {r["method"]: r for r in frontier.frontier(view)}
+    assert rows["sparseloco"]["to_exact"] == "[+3.00%, +5.00%] fail"
+    assert rows["sparseloco_isoc"]["to_exact"] == "[+1.00%, +2.00%] fail"
+    assert rows["sparseloco"]["head_to_head"] == rows["sparseloco_isoc"]["head_to_head"] == \
+        "-0.1 ± 0.02, sparseloco_isoc lower"
+    names, shapes = zip(*frontier.parameter_shapes("tiny"))
+    tiling = OuterConfig(transport="sparseloco").tiling
+    assert rows["sparseloco"]["compressor"] == "sparseloco"
+    assert rows["sparseloco"]["bytes"] == sparseloco.wire_bytes_per_merge(shapes, tiling, 8)
+    assert rows["sparseloco"]["ratio"] == pytest.approx(wire_bytes_per_merge(shapes, MergeConfig(), 8) /
+                                                        rows["sparseloco"]["bytes"])
+    matched = "\n".join(frontier.matched_bytes(list(rows.values())))
+    assert "| 8 | sparseloco_isoc, SparseLoCo top-64 of 64×64 tiles" in matched
+    assert matched.endswith("| -0.1 ± 0.02, sparseloco_isoc lower |")
+
+
+def test_only_settings_within_the_factor_of_each_others_bytes_are_matched(frontier):
+    def row(method, sent, loss):
+        return {"R": 8, "method": method, "bytes": sent, "ratio": 1e7 / sent, "loss": loss, "sd": 0.0,
+                "setting": f"{sent:.0f} bytes", "label": f"{method} {sent:.0f}", "pairs": {}}
+
+    rows = [row("isoloco", 200_000, 4.9), row("diloco", 290_000, 4.8), row("sparseloco", 310_000, 4.7),
+            row("diloco", 10_000_000, 4.5)]  # float32 (ratio 1): never a compressed baseline
+    lines = frontier.matched_bytes(rows)[2:]
+    assert [line.split(" | ")[3].split(",")[0] for line in lines] == ["diloco"]  # 310k is 1.55× 200k
+    assert frontier.matched_bytes(rows[:1]) == [f"No merging-aware setting has a baseline within "
+                                                f"{frontier.MATCHED_BYTES}× of its bytes yet."]
