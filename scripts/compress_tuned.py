@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from isoloco.sweep import claim, release
+
 EF_INT8 = "merge.quantize=int8 merge.error_feedback=true"
 LOWRANK4 = "merge.compress=lowrank merge.compress_rank=4"
 HIDDEN = "merge.compress_exclude=[model.embed_tokens.weight,lm_head.weight]"
@@ -93,6 +95,17 @@ class Task:
     def ready(self) -> bool:
         return self.search is None or self.search.complete()
 
+    def elsewhere(self) -> bool:
+        """Whether another process (an earlier driver's sweep, say) holds one of its runs."""
+        for run in self.runs():
+            lock = self.out / "logs" / f"{run.name}.lock"
+            if lock.exists() and not (run / "summary.json").exists():
+                fd = claim(lock)
+                if fd is None:
+                    return True
+                release(lock, fd, finished=False)
+        return False
+
     def final_loss(self) -> float:
         loss = json.loads((self.runs()[0] / "summary.json").read_text()).get("final_val_loss")
         return loss if loss is not None and math.isfinite(loss) else math.inf
@@ -111,11 +124,15 @@ class Search:
     """Seed 0 of one setting, method and R over outer steps: the grid, then the ladder's lrs beyond
     its edge while the best sits there."""
     folder: Path
-    name: str
+    setting: str
     method: str
     workers: int
     overrides: str
     grid: list[Task] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}-{self.setting}-R{self.workers}"
 
     def add(self, step: tuple[float, float]) -> Task:
         task = Task(self.folder / f"{self.name}-{step_name(*step)}", self.method, self.workers, "0",
@@ -156,7 +173,7 @@ def plan(out: Path, only: set[str] | None) -> tuple[list[Task], list[Search]]:
         methods, overrides = SETTINGS[setting]
         grids, evaluations = [], []
         for method in methods:
-            search = Search(out / "select", f"{method}-{setting}-R{workers}", method, workers, overrides)
+            search = Search(out / "select", setting, method, workers, overrides)
             for step in steps_for(method):
                 search.add(step)
             searches[(setting, method, workers)] = search
@@ -195,14 +212,19 @@ def extend(tasks: list[Task], searches: list[Search]) -> None:
 
 def write_selection(out: Path, searches: list[Search]) -> None:
     """selection.md: every seed-0 final loss, the choice in bold once a search is complete."""
-    lines = ["| setting, method, R | step: final loss (seed 0) | chosen |", "|---|---|---|"]
+    lines = ["# The outer step of each compressor, method and R", "",
+             "`python scripts/compress_tuned.py` writes this file: seed 0's final validation loss at every outer "
+             "step tried (Nesterov's momentum μ and lr; SparseLoCo's methods: the lr of plain SGD), in the order "
+             "tried, the chosen one in bold; seeds 1-3 ran at it.", "", "## Seed 0 of every search", "",
+             "| setting | method | R | step: final loss (seed 0) | chosen |", "|---|---|---|---|---|"]
     for search in searches:
         chosen = search.chosen() if search.complete() else None
         cells = []
         for t in search.grid:
             cell = f"{step_name(*t.step)}: {t.final_loss():.4f}" if t.done() else f"{step_name(*t.step)}: to come"
             cells.append(f"**{cell}**" if t is chosen else cell)
-        lines.append(f"| {search.name} | {'; '.join(cells)} | {step_name(*chosen.step) if chosen else 'to come'} |")
+        lines.append(f"| {search.setting} | {search.method} | {search.workers} | {'; '.join(cells)} | "
+                     f"{step_name(*chosen.step) if chosen else 'to come'} |")
     (out / "selection.md").write_text("\n".join(lines) + "\n")
 
 
@@ -248,13 +270,14 @@ def main() -> int:
         extend(tasks, searches)
         write_selection(out, searches)
         pending = [t for t in tasks if t.out not in running and t.out not in failed and not t.done()]
-        if not running and not any(t.ready() for t in pending):
+        elsewhere = [t for t in pending if t.elsewhere()]
+        if not running and not elsewhere and not any(t.ready() for t in pending):
             # nothing left that can start: done, or waiting on a search whose run failed
             return 1 if failed or pending else 0
         for task in pending:
-            if len(running) >= lanes(out, args.lanes):
+            if len(running) + len(elsewhere) >= lanes(out, args.lanes):
                 break
-            if task.ready():
+            if task.ready() and task not in elsewhere:
                 task.out.mkdir(parents=True, exist_ok=True)
                 with open(task.out / "sweep.log", "a") as log:
                     print(f"start: {task.out.relative_to(out)}", flush=True)
