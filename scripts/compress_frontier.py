@@ -195,8 +195,8 @@ def largest_equivalent(rows: list[dict]) -> dict[tuple[int, str], dict]:
 
 def matched_bytes(rows: list[dict]) -> list[str]:
     """Per R, each compressed merging-aware row (IsoLoCo, SparseLoCo's Iso-C) against each compressed
-    baseline row (DiLoCo, SparseLoCo) within `MATCHED_BYTES` of its bytes: both losses, and the
-    paired difference with its call after BH ("—" while the report lacks the pair)."""
+    baseline row (DiLoCo, SparseLoCo) within `MATCHED_BYTES` of its bytes that the view's report
+    pairs: both losses, and the paired difference with its call after BH."""
     lines = []
     for count in sorted({r["R"] for r in rows}):
         here = [r for r in rows if r["R"] == count and r["ratio"] > 1.0]
@@ -205,13 +205,15 @@ def matched_bytes(rows: list[dict]) -> list[str]:
                 if max(variant["bytes"], base["bytes"]) > MATCHED_BYTES * min(variant["bytes"], base["bytes"]):
                     continue
                 names = {variant["label"]: variant["method"], base["label"]: base["method"]}
+                if f"{variant['label']} − {base['label']}" not in variant["pairs"]:
+                    continue
                 lines.append(f"| {count} | {variant['method']}, {variant['setting']} ({variant['ratio']:.1f}×) | "
                              f"{variant['loss']:.4f} ± {variant['sd']:.4f} | {base['method']}, {base['setting']} "
                              f"({base['ratio']:.1f}×) | {base['loss']:.4f} ± {base['sd']:.4f} | "
                              f"{difference_cell(variant['pairs'], variant['label'], base['label'], names)} |")
     header = ["| R | merging-aware (× fewer than float32) | final loss | baseline (× fewer than float32) | final loss | "
               "difference, call after BH |", "|---|---|---|---|---|---|"]
-    return header + lines if lines else ["No merging-aware setting has a baseline within "
+    return header + lines if lines else ["No merging-aware setting has a paired baseline within "
                                          f"{MATCHED_BYTES}× of its bytes yet."]
 
 

@@ -167,13 +167,18 @@ def test_sparseloco_is_held_against_dilocos_exact_runs_and_its_iso_c_against_it(
 
 
 def test_only_settings_within_the_factor_of_each_others_bytes_are_matched(frontier):
+    tested = {"A − B (final loss)": "-0.1 ± 0.05", "call after BH": "x"}
+    pairs = {f"isoloco 200000 − {b}": tested for b in ("diloco 290000", "sparseloco 310000", "diloco 10000000")}
+
     def row(method, sent, loss):
         return {"R": 8, "method": method, "bytes": sent, "ratio": 1e7 / sent, "loss": loss, "sd": 0.0,
-                "setting": f"{sent:.0f} bytes", "label": f"{method} {sent:.0f}", "pairs": {}}
+                "setting": f"{sent:.0f} bytes", "label": f"{method} {sent:.0f}", "pairs": pairs}
 
     rows = [row("isoloco", 200_000, 4.9), row("diloco", 290_000, 4.8), row("sparseloco", 310_000, 4.7),
-            row("diloco", 10_000_000, 4.5)]  # float32 (ratio 1): never a compressed baseline
+            row("diloco", 10_000_000, 4.5),  # float32 (ratio 1): never a compressed baseline
+            row("diloco", 250_000, 4.6)]  # within the bytes, but the report does not pair it
     lines = frontier.matched_bytes(rows)[2:]
     assert [line.split(" | ")[3].split(",")[0] for line in lines] == ["diloco"]  # 310k is 1.55× 200k
-    assert frontier.matched_bytes(rows[:1]) == [f"No merging-aware setting has a baseline within "
+    assert "290,000" not in lines[0] and "(34.5×)" in lines[0]
+    assert frontier.matched_bytes(rows[:1]) == [f"No merging-aware setting has a paired baseline within "
                                                 f"{frontier.MATCHED_BYTES}× of its bytes yet."]
