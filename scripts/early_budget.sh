@@ -10,6 +10,7 @@
 #             plain IsoLoCo (the budget runs; for repro-cpu, results/claims/main).
 # Seeds 0-2; each setting in its own sweep folder under results/claims/early-budget/.
 # Finished runs are skipped, so rerunning continues the grid. ONLY= picks parts.
+# inner.kernel=foreach: the AdamW kernel these runs were made with (quick now defaults to fused).
 set -euo pipefail
 set -f  # the exclude patterns are words, not file globs
 OUT=${OUT:-results/claims/early-budget}
@@ -23,12 +24,12 @@ for part in ${ONLY:-budget60 short long budget120 budget210}; do
   case $part in
     budget*)
       steps=${part#budget}
-      $ISOLOCO sweep quick steps="$steps" eval_every=30 --methods dp,diloco,isoloco --workers 2,8 \
+      $ISOLOCO sweep quick steps="$steps" eval_every=30 inner.kernel=foreach --methods dp,diloco,isoloco --workers 2,8 \
         --seeds 0,1,2 --jobs 1 --no-report --out "$OUT/steps$steps" ;;
     short)
       for name in power0.5 floor0.1 mean-embed-head; do
         # shellcheck disable=SC2086  # the overrides are separate words
-        $ISOLOCO sweep quick steps=60 eval_every=30 ${VARIANTS[$name]} --methods isoloco --workers 2,8 \
+        $ISOLOCO sweep quick steps=60 eval_every=30 inner.kernel=foreach ${VARIANTS[$name]} --methods isoloco --workers 2,8 \
           --seeds 0,1,2 --jobs 1 --no-report --out "$OUT/steps60-$name"
       done ;;
     long)

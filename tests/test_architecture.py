@@ -21,7 +21,7 @@ LAYERS = [
     ("training loop", {"isoloco.algorithms", "isoloco.trainer"}),
     ("tools on runs", {"isoloco.report", "isoloco.export", "isoloco.bench.*", "isoloco.torchft.*",
                        "isoloco.torchtitan.*"}),
-    ("commands", {"isoloco.sweep", "isoloco.cli", "isoloco.__main__"}),
+    ("commands", {"isoloco.sweep", "isoloco.tuned", "isoloco.cli", "isoloco.__main__"}),
 ]
 
 

@@ -47,26 +47,3 @@ def test_a_best_at_the_grids_edge_is_searched_beyond_and_the_evaluation_waits(tu
     command = evaluation.command(["isoloco"])
     assert command[command.index("outer.lr=0.7") - 1] == "outer.momentum=0.3"
     assert command[command.index("--seeds") + 1] == "1,2,3"
-
-
-def test_the_ladder_goes_on_while_the_edge_keeps_winning_and_stops_at_its_end(tuned, tmp_path):
-    search = tuned.Search(tmp_path, "sparseloco", "sparseloco", 8, "")
-    for step in tuned.SGD_STEPS:
-        _finish(search.add(step), 5.0 - step[0])  # the largest lr always wins
-    seen = []
-    while (step := search.beyond()) is not None:
-        seen.append(step[0])
-        _finish(search.add(step), 5.0 - step[0])
-    assert seen == [v for v in tuned.LR_LADDER if v > 2.0] and search.chosen().step == (6.0, 0.0)
-    assert search.complete()
-
-
-def test_a_run_another_process_holds_counts_as_running_elsewhere(tuned, tmp_path):
-    task = tuned.Task(tmp_path / "isoloco-lowrank4-R8", "isoloco", 8, "1,2,3", "")
-    assert not task.elsewhere()
-    (task.out / "logs").mkdir(parents=True)
-    lock = task.out / "logs" / "isoloco-R8-H30-s2.lock"
-    held = tuned.claim(lock)  # as a sweep training seed 2 holds it
-    assert task.elsewhere()
-    tuned.release(lock, held, finished=False)
-    assert not task.elsewhere() and lock.exists()  # free again, and a probe leaves the file

@@ -543,10 +543,16 @@ def refuse_ignored_keys(cfg: TrainConfig, given: list[str]) -> None:
                               f"only with {needs}={value}; add {needs}={value}, or drop {key}")
 
 
+#: Keys whose default changed the numerics after runs were saved: a config.yaml written before
+#: the key existed lacks it, and its run used this value.
+BEFORE_KEY = {"inner.kernel": "foreach"}
+
+
 def from_dict(tree: dict[str, Any]) -> TrainConfig:
-    """Rebuild a config saved with `to_dict` (e.g. a run's config.yaml), validated."""
+    """Rebuild a config saved with `to_dict` (e.g. a run's config.yaml), validated; a key it
+    predates takes the value its run used (`BEFORE_KEY`), so it retrains bit for bit."""
     cfg = TrainConfig()
-    apply_values(cfg, flatten(tree))
+    apply_values(cfg, {**BEFORE_KEY, **flatten(tree)})
     cfg.validate()
     return cfg
 

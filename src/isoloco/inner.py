@@ -18,6 +18,10 @@ from isoloco.checkpoint import saved_optimizer_state
 from isoloco.configbase import check_choices, check_positive, check_range, option
 
 INNER_OPTIMIZERS = ("adamw", "muon", "sgd")
+#: AdamW's kernels: `fused` updates every tensor in one kernel per step (torch has it on CPU and
+#: CUDA); `foreach` is the multi-tensor kernel runs used before `inner.kernel` existed. The two
+#: agree to float32 round-off, not bit for bit.
+ADAMW_KERNELS = ("fused", "foreach")
 
 
 def mixed_precision(device: torch.device) -> AbstractContextManager:
@@ -65,6 +69,8 @@ class InnerConfig:
     weight_decay: float = option(0.1, "decoupled weight decay of AdamW / Muon (sgd ignores it)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
+    kernel: str = option("fused", "AdamW's kernel (also Muon's AdamW side): fused, one kernel per step (CPU and "
+                         "CUDA), or foreach, as runs made before this key (other last bits)", ADAMW_KERNELS)
     muon_momentum: float = option(0.95, "Muon momentum (hidden 2-D weights only)")
     grad_clip: float = option(1.0, "clip the gradient norm of every inner step to this (0 disables)")
     warmup_fraction: float = option(0.1, "fraction of the steps spent warming up from min_lr_ratio to 1x peak")
@@ -142,11 +148,12 @@ class InnerOptimizer:
         self.cfg = cfg
         self.total_steps = total_steps
         self.params = [p for _, p in named_params]
-        adamw_kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+        adamw_kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "weight_decay": cfg.weight_decay,
+                        cfg.kernel: True}
         if cfg.optimizer == "sgd":
             self.optimizers = [torch.optim.SGD(self.params, lr=cfg.lr)]
         elif cfg.optimizer == "adamw":
-            self.optimizers = [torch.optim.AdamW(self.params, **adamw_kwargs, foreach=True)]
+            self.optimizers = [torch.optim.AdamW(self.params, **adamw_kwargs)]
         else:
             hidden = [p for n, p in named_params if uses_muon(n, p)]
             other = [p for n, p in named_params if not uses_muon(n, p)]
@@ -154,7 +161,7 @@ class InnerOptimizer:
             self.optimizers = [
                 torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                  momentum=cfg.muon_momentum, adjust_lr_fn="match_rms_adamw"),
-                torch.optim.AdamW(other, **adamw_kwargs, foreach=True),
+                torch.optim.AdamW(other, **adamw_kwargs),
             ]
         for opt in self.optimizers:
             for group in opt.param_groups:

@@ -132,15 +132,22 @@ def build_grid(preset: str | None, overrides: dict[str, Any], flags: dict[str, s
     return Grid(**axes)
 
 
+def run_name(method: str, workers: int, inner_steps: int, seed: int) -> str:
+    """A sweep's directory name for one run; dp's names neither R nor H, which it ignores."""
+    if METHODS[method]["algorithm"] == "dp":
+        return f"{method}-s{seed}"
+    return f"{method}-R{workers}-H{inner_steps}-s{seed}"
+
+
 def plan_runs(preset: str | None, raw_overrides: list[str], grid: Grid) -> list[Run]:
     """Every run of the grid, resolved and validated; dp once per seed (seeds outermost)."""
     runs: list[Run] = []
     for seed in grid.seeds:
         for method in grid.methods:
             if METHODS[method]["algorithm"] == "dp":
-                points = [(f"{method}-s{seed}", 1, min(grid.inner_steps))]
+                points = [(run_name(method, 1, 0, seed), 1, min(grid.inner_steps))]
             else:
-                points = [(f"{method}-R{r}-H{h}-s{seed}", r, h) for r in grid.workers for h in grid.inner_steps]
+                points = [(run_name(method, r, h, seed), r, h) for r in grid.workers for h in grid.inner_steps]
             for name, workers, inner_steps in points:
                 keys = [f"method={method}", f"workers={workers}", f"inner_steps={inner_steps}", f"seed={seed}",
                         *raw_overrides]

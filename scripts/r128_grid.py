@@ -1,0 +1,92 @@
+"""The R-to-128 grid behind "Claims 1-2 to R = 128" (docs/claims.md): dp, tuned DiLoCo and
+tuned IsoLoCo at R in {1, 2, 4, 8, 16, 32, 64, 128} on the repro-cpu-r128 preset.
+
+    OMP_NUM_THREADS=1 python scripts/r128_grid.py [--out DIR] [--lanes N] [--dry-run]
+
+Selection on seed 0, evaluation on seeds 1-3 (`isoloco.tuned`):
+- dp's inner lr is searched at this batch over 0.008, 0.016 and 0.032 (the ladder beyond an
+  edge); dp's seeds 1-3 run at the choice. DiLoCo's and IsoLoCo's workers keep the preset's
+  inner lr (repro-cpu's), as the paper keeps one inner lr for every R.
+- DiLoCo's and IsoLoCo's outer step (Nesterov momentum x lr) is searched at R = 16 and at
+  R = 128. Each R is evaluated at the choice of the searched R nearest on a log scale: R <= 32
+  at R = 16's, R >= 64 at R = 128's.
+
+Layout under DIR: `select/<search>-<step>/` (one seed-0 run each), `dp/`, `<method>-R<R>/` (seeds
+1-3) and `selection.md`. Finished runs are skipped, so rerunning continues the grid; the file
+`DIR/lanes`, if present, holds how many runs go at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from isoloco.tuned import NESTEROV_STEPS, Search, Task, drive, dry_run, extend, selection_rows
+
+PRESET = "repro-cpu-r128"
+METHODS = ("diloco", "isoloco")
+SEARCHED = (16, 128)
+WORKERS = (1, 2, 4, 8, 16, 32, 64, 128)
+EVAL_SEEDS = "1,2,3"
+INNER_LRS = (0.008, 0.016, 0.032)
+INNER_LADDER = (0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128)
+
+
+def nearest_searched(workers: int) -> int:
+    """The searched R whose choice R runs at: the nearest in log2 (a tie goes to the smaller)."""
+    return min(SEARCHED, key=lambda searched: (abs(math.log2(workers / searched)), searched))
+
+
+def plan(out: Path) -> tuple[list[Task], list[Search]]:
+    """Every task in the order they start: the searches first (dp's, then R = 16's, then
+    R = 128's), then the evaluations, dp's and the small R first."""
+    select = out / "select"
+    inner = Search(select, "inner", "dp", 1, "", PRESET, render=lambda lr, _: f"inner.lr={lr}",
+                   label=lambda lr, _: f"lr{lr}", ladder=INNER_LADDER)
+    for lr in INNER_LRS:
+        inner.add((lr, 0.0))
+    outer = {}
+    for workers in SEARCHED:
+        for method in METHODS:
+            search = outer[method, workers] = Search(select, "", method, workers, "", PRESET)
+            for step in NESTEROV_STEPS:
+                search.add(step)
+    tasks = [*inner.grid, *(t for search in outer.values() for t in search.grid),
+             Task(out / "dp", "dp", 1, EVAL_SEEDS, "", PRESET, search=inner)]
+    for workers in WORKERS:
+        for method in METHODS:
+            tasks.append(Task(out / f"{method}-R{workers}", method, workers, EVAL_SEEDS, "", PRESET,
+                              search=outer[method, nearest_searched(workers)]))
+    return tasks, [inner, *outer.values()]
+
+
+def write_selection(out: Path, searches: list[Search]) -> None:
+    """selection.md: every seed-0 final loss, the choice in bold once a search is complete."""
+    lines = ["# The steps chosen on seed 0 for the R-to-128 grid", "",
+             "`python scripts/r128_grid.py` writes this file: seed 0's final validation loss at every step tried "
+             "(dp: its inner lr; DiLoCo and IsoLoCo: Nesterov's momentum μ and outer lr), in the order tried, the "
+             "chosen one in bold; seeds 1-3 ran at it (R <= 32 at R = 16's choice, R >= 64 at R = 128's).", "",
+             "| method | searched at R | step: final loss (seed 0) | chosen |", "|---|---|---|---|"]
+    lines += selection_rows(searches, lambda search: f"{search.method} | {search.workers}")
+    (out / "selection.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("results/claims/r128"))
+    ap.add_argument("--lanes", type=int, default=2, help="runs at once (overridden by the file OUT/lanes)")
+    ap.add_argument("--dry-run", action="store_true", help="print what would run next and stop")
+    args = ap.parse_args()
+    out = args.out.resolve()
+    tasks, searches = plan(out)
+    extend(tasks, searches)
+    if args.dry_run:
+        dry_run(out, tasks)
+        return 0
+    return drive(out, tasks, searches, args.lanes, lambda: write_selection(out, searches))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""`inner.kernel`: AdamW's fused kernel is the default; a config written before the key existed
+retrains with the foreach kernel it was made with, bit for bit against its committed losses."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from isoloco.config import from_dict, resolve
+from isoloco.inner import InnerConfig, InnerOptimizer
+from isoloco.trainer import Trainer
+
+COMMITTED = Path(__file__).resolve().parents[1] / "results" / "claims" / "main" / "isoloco-R8-H30-s1"
+
+
+def test_new_runs_default_to_fused_and_the_committed_grids_presets_keep_foreach():
+    assert resolve(None, {}).inner.kernel == "fused"
+    assert resolve("repro-cpu-r128", {}).inner.kernel == "fused"
+    assert resolve("repro-cpu", {}).inner.kernel == resolve("repro-cpu-h", {}).inner.kernel == "foreach"
+    saved = yaml.safe_load((COMMITTED / "config.yaml").read_text())
+    assert "kernel" not in saved["inner"] and from_dict(saved).inner.kernel == "foreach"
+    saved["inner"]["kernel"] = "fused"  # a config that names the key keeps what it names
+    assert from_dict(saved).inner.kernel == "fused"
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_the_kernel_named_is_the_kernel_adamw_runs(optimizer, kernel):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    inner = InnerOptimizer(list(model.named_parameters()), InnerConfig(optimizer=optimizer, kernel=kernel), 10)
+    adamw = inner.optimizers[-1]
+    assert isinstance(adamw, torch.optim.AdamW)
+    assert adamw.defaults[kernel] is True and not adamw.defaults[{"fused": "foreach", "foreach": "fused"}[kernel]]
+
+
+def _round_losses(tmp_path: Path, tree: dict) -> list[float]:
+    cfg = from_dict(tree)
+    trainer = Trainer(cfg, tmp_path / cfg.inner.kernel, progress=False)
+    h = cfg.inner_steps
+    worker_losses = [trainer.take_turn(worker, 0, h) for worker in trainer.workers]
+    return torch.stack(worker_losses).mean(dim=0).tolist()
+
+
+def test_a_committed_run_retrains_its_first_round_bit_for_bit(tmp_path):
+    """The committed run's config.yaml predates inner.kernel: its first round's logged losses come
+    back exactly; the fused kernel moves them (so the comparison can tell the kernels apart)."""
+    saved = yaml.safe_load((COMMITTED / "config.yaml").read_text())
+    lines = [json.loads(line) for line in (COMMITTED / "metrics.jsonl").read_text().splitlines()]
+    logged = [line["train_loss"] for line in lines if line.get("round") == 0 and "train_loss" in line]
+    assert len(logged) == saved["inner_steps"]
+    assert _round_losses(tmp_path, saved) == logged
+    saved["inner"]["kernel"] = "fused"
+    fused = _round_losses(tmp_path, saved)
+    assert fused != logged and max(abs(a - b) for a, b in zip(fused, logged)) < 1e-4

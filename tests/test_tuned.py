@@ -1,0 +1,59 @@
+"""isoloco.tuned: a search's ladder beyond an edge, a run held elsewhere, and a search whose
+choice a later search and the evaluation take (dp's inner lr before the outer step)."""
+
+import json
+
+from isoloco import tuned
+from isoloco.sweep import claim, release
+
+
+def _finish(task, loss):
+    run = task.runs()[0]
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"final_val_loss": loss}))
+
+
+def test_the_ladder_goes_on_while_the_edge_keeps_winning_and_stops_at_its_end(tmp_path):
+    search = tuned.Search(tmp_path, "sparseloco", "sparseloco", 8, "", "repro-cpu")
+    for lr in (0.5, 1.0, 1.5, 2.0):
+        _finish(search.add((lr, 0.0)), 5.0 - lr)  # the largest lr always wins
+    seen = []
+    while (step := search.beyond()) is not None:
+        seen.append(step[0])
+        _finish(search.add(step), 5.0 - step[0])
+    assert seen == [v for v in tuned.LR_LADDER if v > 2.0] and search.chosen().step == (6.0, 0.0)
+    assert search.complete()
+
+
+def test_a_run_another_process_holds_counts_as_running_elsewhere(tmp_path):
+    task = tuned.Task(tmp_path / "isoloco-lowrank4-R8", "isoloco", 8, "1,2,3", "", "repro-cpu")
+    assert not task.elsewhere()
+    (task.out / "logs").mkdir(parents=True)
+    lock = task.out / "logs" / "isoloco-R8-H30-s2.lock"
+    held = claim(lock)  # as a sweep training seed 2 holds it
+    assert task.elsewhere()
+    release(lock, held, finished=False)
+    assert not task.elsewhere() and lock.exists()  # free again, and a probe leaves the file
+
+
+def test_a_search_that_needs_another_waits_for_it_and_takes_both_choices(tmp_path):
+    inner = tuned.Search(tmp_path, "inner", "dp", 1, "", "wide", render=lambda lr, _: f"inner.lr={lr}",
+                         label=lambda lr, _: f"lr{lr}", ladder=(0.004, 0.008, 0.016, 0.032, 0.064))
+    for lr in (0.008, 0.016, 0.032):
+        inner.add((lr, 0.0))
+    assert [t.runs()[0].name for t in inner.grid] == ["dp-s0"] * 3  # dp's sweep names neither R nor H
+    outer = tuned.Search(tmp_path, "", "isoloco", 128, "", "wide", needs=(inner,))
+    for step in tuned.NESTEROV_STEPS:
+        outer.add(step)
+    evaluation = tuned.Task(tmp_path / "isoloco-R128", "isoloco", 128, "1,2,3", "", "wide", search=outer,
+                            needs=(inner,))
+    assert not any(t.ready() for t in outer.grid) and not evaluation.ready()
+    for task, loss in zip(inner.grid, (5.1, 5.0, 5.2)):
+        _finish(task, loss)
+    assert inner.complete() and all(t.ready() for t in outer.grid) and not evaluation.ready()
+    assert outer.grid[0].command(["isoloco"])[2:5] == ["wide", "inner.lr=0.016", "outer.optimizer=nesterov"]
+    for task, loss in zip(outer.grid, (4.9, 4.8, 4.85, 5.0, 4.95, 5.3)):
+        _finish(task, loss)
+    assert outer.complete() and evaluation.ready()
+    command = " ".join(evaluation.command(["isoloco"]))
+    assert "inner.lr=0.016 outer.optimizer=nesterov outer.momentum=0.3 outer.lr=1.0" in command
