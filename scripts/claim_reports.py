@@ -24,6 +24,7 @@ along the footnote under the report's table that says what its mark means.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -268,12 +269,14 @@ REPORTS: dict[str, list[str]] = {
     "lossless-science": tuned_pairs(compressed_label, tuple(kw for kw in COMPRESSED_SETTINGS if kw.get("feedback"))),
     # What each compressor costs its method against exact (SparseLoCo against DiLoCo's exact runs, its
     # Iso-C against IsoLoCo's), IsoLoCo against DiLoCo under each, every merging-aware variant against
-    # every compressed baseline, and what error feedback and int8 factors are worth.
+    # every compressed baseline, the two baselines against each other, and what error feedback and
+    # int8 factors are worth.
     "compressors-science": [*tuned_pairs(compress_label, TUNED_COMPRESS_SETTINGS),
                             f"{compress_label('sparseloco')}:{compress_label('diloco')}",
                             f"{compress_label('sparseloco_isoc')}:{compress_label('isoloco')}",
                             *(f"{variant}:{baseline}" for variant in MERGING_VARIANTS for baseline in COMPRESSED_BASELINES
                               if (variant, baseline) != MERGING_VARIANTS[:1] + COMPRESSED_BASELINES[:1]),
+                            f"{COMPRESSED_BASELINES[0]}:{COMPRESSED_BASELINES[1]}",  # the best compressed baseline
                             *(f"{compress_label(m, **kw)}:{compress_label(m, **TUNED_LOWRANK)}"
                               for kw in TUNED_COMPRESS_SETTINGS[2:] for m in ("isoloco", "diloco"))],
     # Then each remedy against the setting it is held against (`STRAGGLER_REMEDIES`; the late draws
@@ -396,11 +399,57 @@ def difference_cell(pairs: dict[str, dict[str, str]], a: str, b: str, names: dic
     return f"{row['A − B (final loss)']}, {call}"
 
 
-def quoted_tests(doc: Path) -> list[dict[str, str]]:
+#: A row of a compare or contrast table as the table prints it: the pair ("A − B") or contrast, R, H,
+#: the seeds and the difference (or contrast).
+RowKey = tuple[str, str, str, str, str]
+
+
+def _split_pair(name: str) -> tuple[str, str]:
+    """"A − B" as the report's headings write a pair: its two labels (a label has no " − ")."""
+    parts = name.split(" − ")
+    if len(parts) != 2:
+        raise ValueError(f"{name!r} is not a pair A − B")
+    return parts[0], parts[1]
+
+
+@functools.cache
+def unrounded_p(report: Path) -> dict[RowKey, float | None]:
+    """The p of every row of a report's compare.md or contrast.md, unrounded: recomputed from the
+    runs of the report's folder, for the pairs (or contrasts) its `## ` headings name, by the
+    functions that wrote the tables (a row that makes no test: None)."""
+    from isoloco.report import compare_tests, contrast_tests, load_runs
+
+    headings = [line[3:] for line in report.read_text().splitlines() if line.startswith("## ")]
+    runs = load_runs(report.parent)
+    if report.name == "contrast.md":
+        rows = contrast_tests(runs, [tuple(_split_pair(side.strip("()")) for side in heading.split(") − ("))
+                                     for heading in headings])
+    else:
+        rows = compare_tests(runs, [_split_pair(heading) for heading in headings if heading != "Every pair"])
+    found: dict[RowKey, float | None] = {}
+    for row in rows:
+        key = (row.name, row.workers, row.inner_steps, row.seeds, row.value)
+        if found.setdefault(key, row.p) != row.p:
+            raise SystemExit(f"error: {report}: two rows read {' | '.join(key)} with different p-values; "
+                             "their tests cannot be told apart")
+    return found
+
+
+def quoted_p(report: Path, key: RowKey) -> float:
+    """The unrounded p of a quoted row (`unrounded_p`); an error when the runs no longer give that row."""
+    p = unrounded_p(report).get(key)
+    if p is None:
+        raise SystemExit(f"error: {report}: its runs give no test {' | '.join(key)}; the report is out of date: "
+                         f"run python scripts/claim_reports.py {report.parent.name}")
+    return p
+
+
+def quoted_tests(doc: Path) -> list[dict[str, str | float]]:
     """Every paired test in the compare tables `doc` quotes (the rows its markers keep), once: a row
     two tables share (the same R, H, seeds, difference and interval) counts once. A row without a
-    p-value (one seed, an unstable run) is no test."""
-    tests: dict[tuple, dict[str, str]] = {}
+    p-value (one seed, an unstable run) is no test. "p" is the report's printed p, "exact" the
+    unrounded one (`unrounded_p`)."""
+    tests: dict[tuple, dict[str, str | float]] = {}
     for line in doc.read_text().splitlines():
         marker = MARKER.match(line)
         if not marker or not marker["file"].endswith("compare.md"):
@@ -412,19 +461,22 @@ def quoted_tests(doc: Path) -> list[dict[str, str]]:
             difference = next(value for name, value in cells.items() if name.endswith("(final loss)"))
             equivalence = next(value for name, value in cells.items() if name.startswith("equivalence"))
             key = (cells["R"], cells["H"], cells["seeds"], difference, equivalence)
-            tests.setdefault(key, {"report": marker["file"], "pair": cells.get("A − B", marker["section"]),
-                                   "R": cells["R"], "H": cells["H"], "seeds": cells["seeds"], "difference": difference,
-                                   "p": cells["p (BH)"].split()[0], "call": cells["call"]})
+            if key in tests:
+                continue
+            pair = cells.get("A − B", marker["section"])
+            tests[key] = {"report": marker["file"], "pair": pair, "R": cells["R"], "H": cells["H"],
+                          "seeds": cells["seeds"], "difference": difference, "p": cells["p (BH)"].split()[0],
+                          "call": cells["call"],
+                          "exact": quoted_p(Path(marker["file"]), (pair, cells["R"], cells["H"], cells["seeds"],
+                                                                   difference))}
     return list(tests.values())
 
 
 def quoted_contrasts(doc: Path) -> list[dict[str, str | float]]:
     """Every contrast (a difference of two paired differences) in the contrast tables `doc` quotes,
-    once, with its two-sided p: contrast.md prints the 95% interval, not p, so p is the paired t-test's
-    from that interval (t = mean ÷ (half-width ÷ t₀.₉₇₅), seeds − 1 degrees of freedom; four printed
-    decimals). A row with an unstable run or one seed is no test."""
-    from isoloco.report import t_quantile, t_two_sided_p
-
+    once, with its two-sided p: the paired t-test's of the contrasts against 0 over the seeds, which
+    contrast.md does not print, recomputed from the runs unrounded (`unrounded_p`). A row with an
+    unstable run or one seed is no test."""
     tests: dict[tuple, dict[str, str | float]] = {}
     for line in doc.read_text().splitlines():
         marker = MARKER.match(line)
@@ -433,22 +485,23 @@ def quoted_contrasts(doc: Path) -> list[dict[str, str | float]]:
         for cells in table_rows(Path(marker["file"]), marker["section"], marker["rows"]):
             if " ± " not in cells["contrast (final loss)"] or cells["call"].startswith("unstable"):
                 continue
-            mean, half = map(float, cells["contrast (final loss)"].split(" ± "))
-            df = int(cells["seeds"]) - 1
-            tests.setdefault((marker["file"], marker["section"], cells["R"], cells["H"]), {
-                "report": marker["file"], "contrast": marker["section"], "R": cells["R"], "H": cells["H"],
-                "seeds": cells["seeds"], "value": cells["contrast (final loss)"], "call": cells["call"],
-                "p": t_two_sided_p(mean / (half / t_quantile(95, df)), df)})
+            key = (marker["file"], marker["section"], cells["R"], cells["H"])
+            if key in tests:
+                continue
+            tests[key] = {"report": marker["file"], "contrast": marker["section"], "R": cells["R"], "H": cells["H"],
+                          "seeds": cells["seeds"], "value": cells["contrast (final loss)"], "call": cells["call"],
+                          "p": quoted_p(Path(marker["file"]), (marker["section"], cells["R"], cells["H"],
+                                                               cells["seeds"], cells["contrast (final loss)"]))}
     return list(tests.values())
 
 
 def page_tests_markdown(doc: Path) -> str:
     """The page's tests adjusted together: how many are called before and after a Benjamini–Hochberg
-    adjustment over all of them, and the calls it drops."""
+    adjustment over all of them (their unrounded p-values), and the calls it drops."""
     from isoloco.report import benjamini_hochberg
 
     tests = quoted_tests(doc)
-    adjusted = benjamini_hochberg([float(test["p"]) for test in tests])
+    adjusted = benjamini_hochberg([float(test["exact"]) for test in tests])
     called = [(test, adj) for test, adj in zip(tests, adjusted) if test["call"].endswith(" lower")]
     dropped = [(test, adj) for test, adj in called if adj >= FDR]
 
@@ -462,8 +515,9 @@ def page_tests_markdown(doc: Path) -> str:
         f"# The tests {doc} quotes", "",
         f"{len(tests)} paired tests in the compare tables the page quotes (a row two tables share counted once), "
         f"{len(called)} of them called. With the Benjamini–Hochberg adjustment over all {len(tests)} at a false "
-        f"discovery rate of {FDR:g}, {len(called) - len(dropped)} stay called. The p-values are the reports' (three "
-        "decimals, two significant digits below 0.001), the adjusted ones to four decimals; "
+        f"discovery rate of {FDR:g}, {len(called) - len(dropped)} stay called. p is printed as the reports print it "
+        "(three decimals, two significant digits below 0.001); the adjustment starts from the unrounded p-values, "
+        "recomputed from each report's runs, and the adjusted ones are given to four decimals; "
         "`python scripts/claim_reports.py --tests "
         f"{doc}` writes this file.", "",
         "## Called, but not after the page-wide adjustment", "",
@@ -485,8 +539,9 @@ def contrasts_markdown(doc: Path) -> list[str]:
             f"{len(contrasts)} contrasts in the contrast tables the page quotes (a row two tables share counted "
             f"once), {sum(c['call'].endswith(' lower') for c in contrasts)} of them called (unadjusted). With the "
             f"Benjamini–Hochberg adjustment over the {len(contrasts)} at a false discovery rate of {FDR:g}, "
-            f"{called} stay called. p is the paired t-test's from the printed interval (t = mean ÷ (half-width "
-            "÷ t₀.₉₇₅)), to three decimals.", "",
+            f"{called} stay called. p is the paired t-test's of the contrasts over the seeds, recomputed from the "
+            "reports' runs (contrast.md prints the interval, not p), to three decimals; the adjustment starts from "
+            "the unrounded p-values.", "",
             "| report | contrast | R | H | seeds | contrast (final loss) | p | p (BH over the page's contrasts) | call |",
             "|---|---|---|---|---|---|---|---|---|",
             *(f"| {c['report']} | {c['contrast']} | {c['R']} | {c['H']} | {c['seeds']} | {c['value']} | "

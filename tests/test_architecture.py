@@ -19,7 +19,7 @@ LAYERS = [
     ("processes and run config", {"isoloco.layout", "isoloco.torch_comm", "isoloco.distributed",
                                   "isoloco.sharded_checkpoint", "isoloco.config"}),
     ("training loop", {"isoloco.algorithms", "isoloco.trainer"}),
-    ("tools on runs", {"isoloco.report", "isoloco.export", "isoloco.bench.*", "isoloco.torchft.*",
+    ("tools on runs", {"isoloco.report.*", "isoloco.export", "isoloco.bench.*", "isoloco.torchft.*",
                        "isoloco.torchtitan.*"}),
     ("commands", {"isoloco.sweep", "isoloco.tuned", "isoloco.cli", "isoloco.__main__"}),
 ]

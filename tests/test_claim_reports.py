@@ -120,38 +120,67 @@ def test_a_row_brings_the_footnotes_of_its_own_marks_only(doc):
     assert sync(doc, write=False) == []
 
 
-COMPARE = """## Every pair
-
-| A − B | R | H | seeds | A − B (final loss) | equivalence (±1%) | call | p (BH) | call after BH |
-|---|---|---|---|---|---|---|---|---|
-| a − b | 8 | 30 | 3 | -0.3000 ± 0.0497 | [-7.42%, -5.92%] fail | a lower | 0.010 (0.015) | a lower |
-| a − c | 8 | 30 | 3 | -0.1000 ± 0.0900 | [-3.00%, -1.00%] fail | a lower | 0.040 (0.040) | a lower |
-| c − b | 8 | 30 | 3 | +0.0100 ± 0.2000 | [-3.00%, +3.00%] fail | not distinguishable with 3 seeds | 0.300 (0.300) | x |
-| c − b | 1 | 30 | 1 | +0.0100 | one seed: no call | one seed: no call | — | one seed: no call |
-
-## a − b
-
-| R | H | seeds | a − b (final loss) | equivalence (±1%) | call | p (BH) | call after BH |
-|---|---|---|---|---|---|---|---|
-| 8 | 30 | 3 | -0.3000 ± 0.0497 | [-7.42%, -5.92%] fail | a lower | 0.010 (0.015) | a lower |
-"""
+def _two_dof_p(values: list[float]) -> float:
+    """The paired t-test's two-sided p over three seeds, in closed form: 1 − |t|/√(t² + 2)."""
+    mean = sum(values) / 3
+    t = mean / math.sqrt(sum((x - mean) ** 2 for x in values) / 2 / 3)
+    return 1 - abs(t) / math.sqrt(t * t + 2)
 
 
-def test_the_page_tests_are_adjusted_together_each_once(doc):
-    """Three tests (a − b quoted twice, a one-seed row is none): p 0.010, 0.040, 0.300 adjust to 0.030,
-    0.060, 0.300, so a − c loses its call; every test is listed with its adjusted p."""
-    Path("compare.md").write_text(COMPARE)
-    doc.write_text('<!-- table: compare.md "Every pair" -->\n\n| x |\n\n<!-- table: compare.md "a − b" -->\n\n| x |\n')
+def _plain_bh(pvalues: list[float]) -> list[float]:
+    """Benjamini–Hochberg by its definition: the least p_j · m / rank_j over the p_j ≥ p_i, at most 1."""
+    m = len(pvalues)
+    return [min(1.0, min(pj * m / sum(pl <= pj for pl in pvalues) for pj in pvalues if pj >= pi)) for pi in pvalues]
+
+
+#: isoloco − diloco per R and seed (test_report's grid: dp 4.0, diloco 4.5, isoloco 4.5 + d).
+PAGE_DIFFERENCES = {2: (0.13, 0.2, 0.25), 4: (0.2, -0.25, 0.05), 8: (-0.30, -0.32, -0.28), 16: (0.2, -0.3, 0.1)}
+
+
+def test_the_page_tests_are_adjusted_together_each_once_from_unrounded_p(doc):
+    """Four tests (the pair's rows quoted twice, in its section and in "Every pair", count once): R = 2's
+    p, 0.0309 (printed 0.031), becomes 0.0618 over the four, not the 0.0620 the printed digits give, so
+    the call it has in the report is dropped page-wide; R = 8's, 0.00148 (printed 0.001), becomes 0.0059."""
+    from test_report import _paired_grid
+
+    from isoloco.report import compare_markdown, load_runs
+
+    folder = Path("grid")
+    _paired_grid(folder, PAGE_DIFFERENCES)
+    (folder / "compare.md").write_text(compare_markdown(load_runs(folder), [("isoloco", "diloco"), ("diloco", "dp")]))
+    doc.write_text('<!-- table: grid/compare.md "isoloco − diloco" -->\n\n| x |\n\n'
+                   '<!-- table: grid/compare.md "Every pair" rows: isoloco -->\n\n| x |\n')
     script = _script()
-    assert [test["pair"] for test in script.quoted_tests(doc)] == ["a − b", "a − c", "c − b"]
+    tests = script.quoted_tests(doc)
+    exact = [_two_dof_p(PAGE_DIFFERENCES[r]) for r in (2, 4, 8, 16)]
+    assert [(test["R"], test["p"]) for test in tests] == [("2", "0.031"), ("4", "1.000"), ("8", "0.001"),
+                                                          ("16", "1.000")]
+    assert [test["exact"] for test in tests] == pytest.approx(exact, rel=1e-9)
+    adjusted = _plain_bh(exact)
+    assert f"{adjusted[0]:.4f}" == "0.0618" and f"{adjusted[2]:.4f}" == "0.0059"
     text = script.page_tests_markdown(doc)
-    assert "3 paired tests in the compare tables the page quotes" in text and "2 of them called" in text
+    assert "4 paired tests in the compare tables the page quotes" in text and "2 of them called" in text
     assert "at a false discovery rate of 0.05, 1 stay called" in text
-    assert "| compare.md | a − c | 8 | 30 | 3 | -0.1000 ± 0.0900 | 0.040 | 0.0600 | a lower |" in text
     dropped, every = text.split("## The contrasts")[0].split("## Called")[1].split("## Every test")
-    assert "| a − b |" not in dropped
-    assert [line.split(" | ")[1] + " " + line.split(" | ")[7] for line in every.splitlines()[4:] if line] == [
-        "a − b 0.0300", "a − c 0.0600", "c − b 0.3000"]  # every test, by adjusted p
+    assert [line.split(" | ")[2] for line in dropped.splitlines() if line.startswith("| grid")] == ["2"]
+    assert ("| grid/compare.md | isoloco − diloco | 2 | 3 | 3 | +0.1933 ± 0.1497 | 0.031 | 0.0618 | diloco lower |"
+            in text)
+    assert [(row.split(" | ")[2], row.split(" | ")[7]) for row in every.splitlines() if row.startswith("| grid")] == [
+        ("8", "0.0059"), ("2", "0.0618"), ("4", "1.0000"), ("16", "1.0000")]  # every test, by adjusted p
+
+
+def test_a_quoted_test_its_runs_no_longer_give_is_an_error(doc):
+    from test_report import _paired_grid
+
+    from isoloco.report import compare_markdown, load_runs
+
+    folder = Path("grid")
+    _paired_grid(folder, {2: PAGE_DIFFERENCES[2]})
+    text = compare_markdown(load_runs(folder), [("isoloco", "diloco")])
+    (folder / "compare.md").write_text(text.replace("+0.1933 ± 0.1497", "+0.1900 ± 0.1497"))
+    doc.write_text('<!-- table: grid/compare.md "isoloco − diloco" -->\n\n| x |\n')
+    with pytest.raises(SystemExit, match="out of date: run python scripts/claim_reports.py grid"):
+        _script().quoted_tests(doc)
 
 
 @pytest.mark.parametrize("page", ["docs/claims.md", "docs/results.md"])
@@ -161,40 +190,49 @@ def test_the_docs_tables_match_the_committed_reports(page):
     assert "<!-- table: " in (ROOT / page).read_text()  # the page has tables to check
 
 
-CONTRAST = """# Contrasts
-
-## (a − b) − (c − d)
-
-| R | H | seeds | contrast (final loss) | call |
-|---|---|---|---|---|
-| 8 | 30 | 3 | +0.2000 ± 0.1000 | c − d lower |
-| 16 | 30 | 3 | +0.1200 ± 0.1000 | c − d lower |
-| 32 | 30 | 3 | +0.0100 ± 0.2000 | not distinguishable with 3 seeds |
-| 4 | 30 | 3 | +5.0000 ± 9.0000 | unstable run(s): no call |
-| 1 | 30 | 1 | +0.0100 | one seed: no call |
-"""
+#: (isoloco int8 − isoloco) and (diloco int8 − diloco) per R and seed: what int8 costs each method.
+CONTRAST_COSTS = {2: ((0.01, 0.02, 0.00), (0.11, 0.125, 0.10)), 4: ((0.05, 0.0, 0.1), (0.0, 0.1, 0.02)),
+                  8: ((0.02, 0.03, 0.01), (0.04, 0.02, 0.03))}
+CONTRAST = ("isoloco merge.quantize=int8:isoloco merge.quantize=none::diloco merge.quantize=int8:"
+            "diloco merge.quantize=none")
 
 
 def test_the_page_contrasts_are_adjusted_together_each_once(doc):
-    """p of a contrast from its printed interval: with 3 seeds, t = mean · t₀.₉₇₅ / half-width and
-    P(|T| < t) = t / √(t² + 2) for 2 degrees of freedom; the two called ones (p 0.013 and 0.036)
-    adjust over the three tests to 0.040 and 0.053, so the second loses its call. A row quoted twice
-    counts once; one with an unstable run or one seed is no test."""
-    Path("contrast.md").write_text(CONTRAST)
-    doc.write_text('<!-- table: contrast.md "(a − b) − (c − d)" -->\n\n| x |\n\n'
-                   '<!-- table: contrast.md "(a − b) − (c − d)" rows: ^\\| 8 -->\n\n| x |\n')
+    """p of a contrast is the paired t-test's of the per-seed contrasts, recomputed from the runs: R = 2's
+    (−0.100, −0.105, −0.100) is called, R = 4's and R = 8's are not, and over the three R = 2's p is
+    adjusted × 3. A row quoted twice counts once; one with one seed is no test."""
+    from test_report import _fake_run
+
+    from isoloco.report import contrast_markdown, load_runs
+    from isoloco.report.command import _contrast
+
+    folder = Path("grid")
+    for r, costs in CONTRAST_COSTS.items():
+        for seed in range(3):
+            for method, cost in zip(("isoloco", "diloco"), costs):
+                keys = {"method": method, "workers": r, "inner_steps": 3, "seed": seed}
+                _fake_run(folder, f"{method}-R{r}-s{seed}", 4.5, **keys)
+                _fake_run(folder, f"{method}-int8-R{r}-s{seed}", 4.5 + cost[seed], **keys, **{"merge.quantize": "int8"})
+    for method in ("isoloco", "diloco"):  # R = 1, one seed: no test
+        _fake_run(folder, f"{method}-R1-s0", 4.5, method=method, workers=1, inner_steps=3)
+        _fake_run(folder, f"{method}-int8-R1-s0", 4.6, method=method, workers=1, inner_steps=3,
+                  **{"merge.quantize": "int8"})
+    (folder / "contrast.md").write_text(contrast_markdown(load_runs(folder), [_contrast(CONTRAST)]))
+    section = ("(isoloco merge.quantize=int8 − isoloco merge.quantize=none) − "
+               "(diloco merge.quantize=int8 − diloco merge.quantize=none)")
+    assert f"## {section}" in (folder / "contrast.md").read_text()
+    assert "| 1 | 3 | 1 | +0.0000 | one seed: no call |" in (folder / "contrast.md").read_text()
+    doc.write_text(f'<!-- table: grid/contrast.md "{section}" -->\n\n| x |\n\n'
+                   f'<!-- table: grid/contrast.md "{section}" rows: ^\\| 2 -->\n\n| x |\n')
     script = _script()
-
-    def p(ratio):  # mean ÷ half-width, 3 seeds
-        t = ratio * 4.303
-        return 1 - t / math.sqrt(t * t + 2)
-
+    exact = [_two_dof_p([a - b for a, b in zip(*CONTRAST_COSTS[r])]) for r in (2, 4, 8)]
     contrasts = script.quoted_contrasts(doc)
-    assert [c["R"] for c in contrasts] == ["8", "16", "32"]
-    assert [c["p"] for c in contrasts] == pytest.approx([p(2.0), p(1.2), p(0.05)], abs=1e-4)
+    assert [c["R"] for c in contrasts] == ["2", "4", "8"]
+    assert [c["p"] for c in contrasts] == pytest.approx(exact, rel=1e-9)
     text = script.page_tests_markdown(doc).split("## The contrasts, adjusted together")[1]
-    assert "3 contrasts in the contrast tables the page quotes" in text and "2 of them called (unadjusted)" in text
+    assert "3 contrasts in the contrast tables the page quotes" in text and "1 of them called (unadjusted)" in text
     assert "over the 3 at a false discovery rate of 0.05, 1 stay called" in text
-    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| contrast.md")]
-    assert [(row[2], row[7]) for row in rows] == [
-        ("8", f"{3 * p(2.0):.4f}"), ("16", f"{1.5 * p(1.2):.4f}"), ("32", f"{p(0.05):.4f}")]
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| grid")]
+    adjusted = _plain_bh(exact)
+    assert [(row[2], row[6], row[7]) for row in rows] == sorted(
+        ((r, f"{p:.3f}", f"{adj:.4f}") for r, p, adj in zip(("2", "4", "8"), exact, adjusted)), key=lambda row: row[2])

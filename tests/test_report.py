@@ -107,7 +107,7 @@ def test_a_directory_without_runs_exits_2(tmp_path, capsys):
 
 
 def test_plots_have_titles_and_each_token_budget_its_own_colour(tmp_path):
-    from isoloco.report import _against, _curves
+    from isoloco.report.plots import _against, _curves
 
     for steps in (6, 12):
         _fake_run(tmp_path, f"dp-steps{steps}", 4.0, method="dp", workers=1, steps=steps)
@@ -176,7 +176,7 @@ def test_gaps_are_to_the_strongest_dp_variant_when_dp_ran_with_several_settings(
 def test_a_knob_searched_over_several_values_gets_its_own_plot(tmp_path):
     """A density grid of ties is drawn against merge.density, with dp and the methods not searched at
     the same R as flat lines; a non-numeric setting or the process count gets no plot."""
-    from isoloco.report import _against_knob, _knobs
+    from isoloco.report.plots import _against_knob, _knobs
 
     for seed in (0, 1):
         _fake_run(tmp_path, f"dp-s{seed}", 4.0 + seed, method="dp", workers=1, seed=seed)
@@ -257,12 +257,24 @@ def _student_t_cdf(t: float, df: int, steps: int = 2000) -> float:
 
 
 def test_t_quantiles_bound_the_95_and_90_percent_intervals():
-    assert t_quantile(90, 1) == 6.314 and t_quantile(90, 4) == 2.132 and t_quantile(95, 2) == 4.303
-    assert t_quantile(90, 31) == 1.645 and t_quantile(95, 31) == 1.960  # the normal quantiles beyond the table
-    # Every entry is its quantile to the 3 decimals it carries: t_{0.975, df} and t_{0.95, df}.
+    """Exact quantiles: the closed forms for 1 and 2 degrees of freedom (Cauchy: tan(π(p − 1/2)); df 2:
+    (2p − 1)·√(2 / (1 − (2p − 1)²))), the printed tables' three decimals, the normal quantile far out,
+    and the numerical integral of the density at every df up to 40 (the old table stopped at 30)."""
+    assert t_quantile(95, 1) == pytest.approx(math.tan(0.475 * math.pi), rel=1e-12)  # 12.7062...
+    assert t_quantile(90, 1) == pytest.approx(math.tan(0.45 * math.pi), rel=1e-12)  # 6.3137...
     for confidence, p in ((95, 0.975), (90, 0.95)):
-        for df in range(1, 31):
-            assert _student_t_cdf(t_quantile(confidence, df), df) == pytest.approx(p, abs=3e-4), (confidence, df)
+        closed_form = (2 * p - 1) * math.sqrt(2 / (1 - (2 * p - 1) ** 2))
+        assert t_quantile(confidence, 2) == pytest.approx(closed_form, rel=1e-12)
+    assert t_quantile(95, 2) == pytest.approx(4.302652729749464, rel=1e-12)  # not the table's 4.303
+    printed = {(95, 4): 2.776, (95, 9): 2.262, (95, 30): 2.042, (90, 4): 2.132, (90, 12): 1.782, (95, 60): 2.000,
+               (95, 120): 1.980, (90, 120): 1.658}
+    assert {key: round(t_quantile(*key), 3) for key in printed} == printed
+    assert t_quantile(95, 10**7) == pytest.approx(1.959964, abs=1e-5) and t_quantile(90, 10**7) == pytest.approx(
+        1.644854, abs=1e-5)
+    for confidence, p in ((95, 0.975), (90, 0.95)):
+        for df in range(1, 41):
+            assert _student_t_cdf(t_quantile(confidence, df), df, steps=20000) == pytest.approx(p, abs=1e-7), (
+                confidence, df)
 
 
 def _paired_grid(root: Path, differences: dict[int, tuple[float, ...]], b_loss: float = 4.5) -> None:
@@ -350,7 +362,7 @@ def test_a_bad_margin_exits_2_naming_the_value_and_the_fix(tmp_path, capsys, mar
 
 
 def test_a_margin_is_a_percentage():
-    from isoloco.report import _margin
+    from isoloco.report.command import _margin
 
     assert _margin("0.5") == 0.5 and _margin("1") == 1.0
 
@@ -374,19 +386,46 @@ def test_a_contrast_pairs_two_differences_by_seed(tmp_path):
     assert main(["report", str(tmp_path), "--contrast", "isoloco:diloco"]) == 2
 
 
-def test_p_values_are_student_t_tail_areas():
-    """Closed forms for 1, 2 and 3 degrees of freedom, the tabulated 95% quantiles at p = 0.05, and the
-    numerical integral of the density elsewhere."""
-    from isoloco.report import t_two_sided_p
+def test_the_paired_t_test_and_tost_against_closed_forms():
+    """Three seeds (2 degrees of freedom, P(T ≤ −t) = (1 − t/√(t² + 2))/2): differences 0.1, 0.2, 0.3
+    have mean 0.2 and standard error 0.1/√3, so t = 2√3; TOST at ±0.5 tests t = (0.2 + 0.5)·√3/0.1 and
+    (0.2 − 0.5)·√3/0.1, and its p is the larger one-sided p. No spread: certain either way."""
+    from isoloco.report import paired_p, tost_p
 
-    assert t_two_sided_p(1.0, 1) == pytest.approx(0.5)  # Cauchy: P(|T| ≥ 1) = 1 − (2/π)·arctan 1
-    assert t_two_sided_p(2.0, 2) == pytest.approx(1 - math.sqrt(2 / 3))  # 1 − t/√(2 + t²)
-    assert t_two_sided_p(math.sqrt(3), 3) == pytest.approx(0.5 - 1 / math.pi)  # θ = π/4
-    assert t_two_sided_p(-2.0, 2) == t_two_sided_p(2.0, 2) and t_two_sided_p(0.0, 5) == pytest.approx(1.0)
-    for df in range(1, 31):
-        assert t_two_sided_p(t_quantile(95, df), df) == pytest.approx(0.05, abs=2e-4), df
-    for t, df in ((0.7, 4), (3.1, 7), (2.2, 12)):
-        assert t_two_sided_p(t, df) == pytest.approx(2 * (1 - _student_t_cdf(t, df)), abs=1e-6), (t, df)
+    def lower_tail(t):  # P(T ≤ t), 2 degrees of freedom
+        return (1 + t / math.sqrt(t * t + 2)) / 2
+
+    assert paired_p([0.1, 0.2, 0.3]) == pytest.approx(2 * lower_tail(-2 * math.sqrt(3)), rel=1e-9)
+    assert paired_p([-0.1, -0.2, -0.3]) == paired_p([0.1, 0.2, 0.3])
+    above, below = 1 - lower_tail(7 * math.sqrt(3)), lower_tail(-3 * math.sqrt(3))
+    assert tost_p([0.1, 0.2, 0.3], 0.5) == pytest.approx(max(above, below), rel=1e-9)
+    assert tost_p([0.1, 0.2, 0.3], 0.5) == pytest.approx(0.017549, abs=1e-6)
+    assert paired_p([0.5, 0.5, 0.5]) == 0.0 and paired_p([0.0, 0.0]) == 1.0
+    assert tost_p([0.2, 0.2], 0.5) == 0.0 and tost_p([0.5, 0.5], 0.5) == 1.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_tost_passes_exactly_when_the_90_percent_interval_lies_inside_the_margin(seed):
+    """Two one-sided tests at level 0.05 against the interval they are equivalent to (away from the edge)."""
+    import random
+
+    from isoloco.report import mean_ci, tost_p
+
+    rng = random.Random(seed)
+    for _ in range(200):
+        values = [rng.gauss(rng.uniform(-1, 1), rng.uniform(0.01, 1)) for _ in range(rng.randint(2, 8))]
+        margin = rng.uniform(0.05, 2)
+        mean, half = mean_ci(values, 90)
+        if min(abs(mean - half + margin), abs(mean + half - margin)) < 1e-9:
+            continue
+        assert (tost_p(values, margin) < 0.05) == (-margin < mean - half and mean + half < margin)
+
+
+def _plain_bh(pvalues: list[float]) -> list[float]:
+    """Benjamini–Hochberg by its definition, one p at a time: the least p_j · m / rank_j over the
+    p_j at least as large as it (rank_j: how many p are ≤ p_j), at most 1."""
+    m = len(pvalues)
+    return [min(1.0, min(pj * m / sum(pl <= pj for pl in pvalues) for pj in pvalues if pj >= pi)) for pi in pvalues]
 
 
 def test_benjamini_hochberg_adjusts_by_rank():
@@ -397,9 +436,22 @@ def test_benjamini_hochberg_adjusts_by_rank():
     assert benjamini_hochberg([0.01, 0.04, 0.03, 0.20]) == pytest.approx([0.04, 0.16 / 3, 0.16 / 3, 0.20])
     assert benjamini_hochberg([0.5, 0.9]) == pytest.approx([0.9, 0.9]) and benjamini_hochberg([]) == []
     assert benjamini_hochberg([0.6, 0.7, 0.8]) == pytest.approx([0.8, 0.8, 0.8])  # never above 1, never below p
-    from isoloco.report import _p
+    from isoloco.report.compare import _p
 
-    assert [_p(0.0312), _p(3.14e-5), _p(0.0)] == ["0.031", "3.1e-05", "0"]  # small ones kept for a page's own BH
+    assert [_p(0.0312), _p(3.14e-5), _p(0.0)] == ["0.031", "3.1e-05", "0"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_benjamini_hochberg_matches_the_definition_one_p_at_a_time(seed):
+    """Against a plain loop, on p-values with ties, zeros and ones."""
+    import random
+
+    from isoloco.report import benjamini_hochberg
+
+    rng = random.Random(seed)
+    for m in (1, 2, 3, 7, 25):
+        pvalues = [rng.choice([0.0, 1.0, 0.05, round(rng.random(), 2), rng.random() ** 3]) for _ in range(m)]
+        assert benjamini_hochberg(pvalues) == pytest.approx(_plain_bh(pvalues), rel=1e-12, abs=1e-15), pvalues
 
 
 def test_compare_adds_the_benjamini_hochberg_call_beside_the_raw_one(tmp_path):
@@ -501,7 +553,7 @@ def test_plots_name_series_by_what_differs_and_keep_coinciding_points_apart(tmp_
     every R, and no layout warning; without dp, no gap chart."""
     import warnings
 
-    from isoloco.report import _against, _save
+    from isoloco.report.plots import _against, _save
 
     settings = [{"merge.quantize": q, "merge.error_feedback": ef, "outer.overlap_steps": ov}
                 for q, ef, ov in (("none", False, 0), ("int8", False, 0), ("int8", True, 0), ("int4", False, 0),
@@ -554,11 +606,11 @@ def test_a_report_of_many_settings_keeps_its_plots_readable(tmp_path, monkeypatc
     a difference of 0.0004 drawn on an axis at least ±1% of the loss tall."""
     import warnings
 
-    from isoloco import report
+    from isoloco.report import plots
 
     figures = {}
-    save = report._save
-    monkeypatch.setattr(report, "_save", lambda fig, path: (figures.__setitem__(path.name, fig), save(fig, path)))
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (figures.__setitem__(path.name, fig), save(fig, path)))
     _seven_settings(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # matplotlib's "constrained_layout not applied" would raise here
@@ -591,7 +643,7 @@ def test_a_report_of_many_settings_keeps_its_plots_readable(tmp_path, monkeypatc
 def test_a_negligible_gap_is_drawn_on_a_plain_axis_at_least_two_margins_tall(tmp_path):
     """Two settings 0.0004 apart and nothing else: no `+4.5` offset above the axis, and the axis
     spans ±1% (the equivalence margin) of the loss rather than the 0.0004."""
-    from isoloco.report import _against
+    from isoloco.report.plots import _against
 
     for index, (keys, _) in enumerate(SEVEN_SETTINGS[:2]):
         for r in (2, 4):

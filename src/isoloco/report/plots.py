@@ -1,0 +1,387 @@
+"""Plots: validation loss and gap to DP against R (log2 axis), and against H when the runs hold
+several H; validation loss against each numeric knob a method was run at several values of (a
+search or a grid: `outer.lr`, `merge.density`, ...), with the other methods at the same R and H as
+lines to compare with; the validation-loss curves of every run, one panel per R; loss against the
+slow link's bytes; and the workers merged per round where some were late. Each PNG is drawn from a
+style reset to matplotlib's defaults and saved without the Software metadata (the one field that
+varies), so a report of the same runs is the same bytes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterable
+
+from isoloco.config import acts
+from isoloco.report.runs import DEFAULT_SETTINGS, RunResult, applies, group_runs, show_setting, sort_key
+from isoloco.report.stats import DEFAULT_MARGIN_PCT, mean_std
+
+#: Axes a plot can put on x: run attribute -> (short label, axis title).
+X_AXES = {"workers": ("R", "workers R"), "inner_steps": ("H", "inner steps H")}
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+
+
+def _colors(labels: Iterable[str]) -> dict[str, str]:
+    """A colour per series (a method at one token budget, H, ...), in the order of `labels`."""
+    return {label: f"C{i % 10}" for i, label in enumerate(dict.fromkeys(labels))}
+
+
+def _log2_axis(ax: Any, values: list[int], title: str) -> None:
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [str(v) for v in values])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(title)
+
+
+_AXIS_NAMES = {"workers": "R", "inner_steps": "H", "tokens": "tokens"}
+
+
+def _series_label(run: RunResult, varying: list[str]) -> str:
+    """What tells a series apart in full: its method, variant and the other varying axes."""
+    variant = f" {run.variant}" if run.variant else ""
+    return run.method + variant + "".join(f" {_AXIS_NAMES[d]}={getattr(run, d)}" for d in varying)
+
+
+def _typed(value: Any) -> str:
+    """A setting's value as the command line spells it (`true`, `1,0.5`)."""
+    return str(value).lower() if isinstance(value, bool) else show_setting(value)
+
+
+def _legend_names(series: dict[str, RunResult], axes: list[str], ignore: frozenset[str] = frozenset()) -> dict[str, str]:
+    """Series label -> a short legend name: the method, then each setting that sets a run apart
+    from others of its method (a variant's key) and differs between the series shown (`series`:
+    each label's first run), with its value as the command line spells it, in every series it
+    applies to and acts in; then the varying `axes`. A key goes by its last part where that is
+    unique among them (`quantize`, not `merge.quantize`). `ignore`: keys the plot's axis shows."""
+    settings = {label: dict(run.settings) for label, run in series.items()}
+    own = {label: {part.partition("=")[0] for part in run.variant.split()} for label, run in series.items()}
+    varied = set().union(*own.values()) - ignore
+
+    def named(label: str, key: str) -> bool:
+        return (key in own[label] or applies(key, series[label].method)) and acts(key, settings[label])
+
+    keys = sorted(key for key in varied if len({show_setting(settings[label].get(key)) for label in series
+                                                if named(label, key)}) > 1)
+    leaves = [key.rsplit(".", 1)[-1] for key in keys]
+    short = {key: leaf if leaves.count(leaf) == 1 else key for key, leaf in zip(keys, leaves)}
+    return {label: " ".join([run.method, *(f"{short[key]}={_typed(settings[label].get(key))}" for key in keys
+                                          if named(label, key)),
+                             *(f"{_AXIS_NAMES[axis]}={getattr(run, axis)}" for axis in axes)])
+            for label, run in series.items()}
+
+
+def _dodge(x: float, index: int, count: int) -> float:
+    """x moved a little along a log axis, series by series, so that series at the same point stay
+    visible side by side: at most ±0.15 of a factor of 2 in all."""
+    return x if count < 2 else x * 2 ** ((index - (count - 1) / 2) * min(0.04, 0.3 / (count - 1)))
+
+
+#: Characters of a small legend font per inch of figure, and the inches a legend entry's marker and
+#: padding take.
+LEGEND_CHARS_PER_INCH, LEGEND_MARKER_INCHES = 13, 0.8
+
+
+def _legend_below(fig: Any, handles: list[Any] | None = None, labels: list[str] | None = None) -> None:
+    """The figure's legend under its axes, names wrapped to the figure's width, in as many columns as
+    the longest allows, the figure taller by its rows: a legend there takes height and never the
+    axes' width, and stays inside the figure, whatever the number of series or their names' length."""
+    import textwrap
+
+    if handles is None:
+        handles, labels = fig.axes[0].get_legend_handles_labels()
+    width = fig.get_figwidth()
+    labels = [textwrap.fill(label, int((width - LEGEND_MARKER_INCHES) * LEGEND_CHARS_PER_INCH)) for label in labels]
+    widest = max(len(line) for label in labels for line in label.splitlines())
+    entry = widest / LEGEND_CHARS_PER_INCH + LEGEND_MARKER_INCHES
+    columns = max(1, min(len(labels), int(width // entry)))
+    rows = -(-len(labels) // columns)
+    lines_per_row = max(label.count("\n") + 1 for label in labels)
+    fig.set_figheight(fig.get_figheight() + 0.2 * rows * lines_per_row + 0.2)
+    fig.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize="small")
+
+
+def _plain_y(ax: Any, least_span: float) -> None:
+    """A y axis without an offset (no `+5.838` above it) that spans at least `least_span`, so a
+    difference well inside the report's equivalence margin does not fill the plot."""
+    ax.ticklabel_format(axis="y", useOffset=False)
+    low, high = ax.get_ylim()
+    if high - low < least_span:
+        middle = (low + high) / 2
+        ax.set_ylim(middle - least_span / 2, middle + least_span / 2)
+
+
+def _loss_span(losses: Iterable[float]) -> float:
+    """The least span of a loss axis: the equivalence margin either side of the largest loss."""
+    return 2 * DEFAULT_MARGIN_PCT / 100 * max(losses, default=1.0)
+
+
+def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
+    """Final loss (or gap to DP) against `axis`: one line per method (and per other varying axis)."""
+    from matplotlib.figure import Figure
+
+    trained = [r for r in runs if not r.is_dp and r.final_val_loss is not None]
+    varying = [d for d in ("workers", "inner_steps", "tokens")
+               if d != axis and len({getattr(r, d) for r in trained}) > 1]
+    series: dict[str, dict[int, list[float]]] = {}
+    firsts: dict[str, RunResult] = {}
+    for r in trained:
+        value = r.gap_pct if gap else r.final_val_loss
+        if value is not None:
+            label = _series_label(r, varying)
+            series.setdefault(label, {}).setdefault(getattr(r, axis), []).append(value)
+            firsts.setdefault(label, r)
+    # A series run at one value of the axis says nothing about it: where others span it, leave it out.
+    series = {label: points for label, points in series.items() if len(points) > 1} or series
+    colors = _colors(series)
+    names = _legend_names({label: firsts[label] for label in series}, varying)
+    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(f"{'Gap to DP' if gap else 'Final validation loss'} against {X_AXES[axis][1]}")
+    for index, (label, points) in enumerate(series.items()):
+        xs = sorted(points)
+        stats = [mean_std(points[x]) for x in xs]
+        ax.errorbar([_dodge(x, index, len(series)) for x in xs], [m for m, _ in stats],
+                    yerr=[s or 0.0 for _, s in stats], marker="o", capsize=3, color=colors[label], label=names[label])
+    if gap:
+        ax.axhline(0.0, color="black", linestyle="--", linewidth=1, label="dp")
+        ax.set_ylabel("gap to DP (%)")
+        _plain_y(ax, 2 * DEFAULT_MARGIN_PCT)
+    else:
+        for model, tokens in sorted({r.budget for r in runs if r.is_dp and r.final_val_loss is not None}):
+            dp = mean_std([r.final_val_loss for r in runs if r.is_dp and r.budget == (model, tokens)
+                            and r.final_val_loss is not None])[0]
+            ax.axhline(dp, color="black", linestyle="--", linewidth=1,
+                       label="dp" if "tokens" not in varying else f"dp tokens={tokens}")
+        ax.set_ylabel("final validation loss")
+        _plain_y(ax, _loss_span(r.final_val_loss for r in trained))
+    _log2_axis(ax, sorted({getattr(r, axis) for r in trained}), X_AXES[axis][1])
+    ax.grid(True, alpha=0.3)
+    _legend_below(fig)
+    return fig
+
+
+def _knobs(runs: list[RunResult]) -> dict[str, list[str]]:
+    """Numeric config keys that are the one setting varying between a method's runs: knob -> methods."""
+    knobs: dict[str, list[str]] = {}
+    for method in dict.fromkeys(r.method for r in runs if not r.is_dp):
+        members = [r for r in runs if r.method == method and r.final_val_loss is not None]
+        names = {part.partition("=")[0] for r in members for part in r.variant.split()}
+        if len(names) != 1 or (key := names.pop()) not in DEFAULT_SETTINGS:
+            continue
+        values = {dict(r.settings)[key] for r in members}
+        if len(values) > 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            knobs.setdefault(key, []).append(method)
+    return knobs
+
+
+def _against_knob(runs: list[RunResult], key: str, knobs: dict[str, list[str]]) -> Any:
+    """Final loss against `key`: a line per method searched over it (and R, H); the methods no knob was
+    searched for, at the same R and H, as flat references."""
+    from matplotlib.figure import Figure
+
+    methods = knobs[key]
+    trained = [r for r in runs if not r.is_dp and r.final_val_loss is not None]
+    searched = [r for r in trained if r.method in methods]
+    varying = [d for d in ("workers", "inner_steps", "tokens") if len({getattr(r, d) for r in searched}) > 1]
+    series: dict[str, dict[float, list[float]]] = {}
+    firsts: dict[str, RunResult] = {}
+    for r in searched:
+        label = _series_label(replace(r, variant=""), varying)
+        series.setdefault(label, {}).setdefault(dict(r.settings)[key], []).append(r.final_val_loss)
+        firsts.setdefault(label, r)
+    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(f"Final validation loss against {key}")
+    searched_any = {m for ms in knobs.values() for m in ms}
+    where = (searched[0].workers, searched[0].inner_steps, searched[0].budget)
+    references = [g for g in group_runs([r for r in runs if r.method not in searched_any and r.final_val_loss is not None])
+                  if g.first.is_dp or (not varying and (g.first.workers, g.first.inner_steps, g.first.budget) == where)]
+    firsts.update((g.first.label, g.first) for g in references if not g.first.is_dp)
+    colors = _colors(firsts)
+    names = _legend_names(firsts, varying, ignore=frozenset({key}))
+    for label, points in series.items():
+        xs = sorted(points)
+        stats = [mean_std(points[x]) for x in xs]
+        ax.errorbar(xs, [m for m, _ in stats], yerr=[s or 0.0 for _, s in stats], marker="o", capsize=3,
+                    color=colors[label], label=names[label])
+    # Flat lines: what the searched method is compared with (dp; the other methods at its one R and H).
+    for group in references:
+        mean = mean_std(group.values("final_val_loss"))[0]
+        if group.first.is_dp:
+            ax.axhline(mean, color="black", linestyle="--", linewidth=1, label="dp")
+        else:
+            ax.axhline(mean, color=colors[group.first.label], linestyle=":", linewidth=1.5,
+                       label=names[group.first.label])
+    ticks = sorted({x for points in series.values() for x in points})
+    if ticks[0] > 0 and ticks[-1] / ticks[0] >= 4:  # a search over scales (learning rates): log axis
+        from matplotlib.ticker import NullLocator
+
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(ticks, [f"{x:g}" for x in ticks], rotation=90 if len(ticks) > 5 else 0)
+    ax.set_xlabel(key)
+    ax.set_ylabel("final validation loss (mean ± std over seeds)")
+    _plain_y(ax, _loss_span(r.final_val_loss for r in trained))
+    ax.grid(True, alpha=0.3)
+    _legend_below(fig)
+    return fig
+
+
+def _curves(runs: list[RunResult]) -> Any:
+    """Validation loss against tokens, one panel per R; dp (dashed) in every panel."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
+    with_curve = [r for r in runs if r.curve]
+    trained = [r for r in with_curve if not r.is_dp]
+    panels = sorted({r.workers for r in trained}) or [None]
+    varying = [d for d in ("inner_steps", "tokens") if len({getattr(r, d) for r in trained}) > 1]
+    seeds = len({r.seed for r in with_curve}) > 1
+    firsts: dict[str, RunResult] = {}
+    for r in trained:
+        firsts.setdefault(_series_label(r, varying), r)
+    colors = _colors(firsts)
+    names = _legend_names(firsts, varying)
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(max(6.4, 4.2 * cols), 3.4 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False, sharey=True).ravel()
+    # The first evaluations sit far above the rest; cap the y axis at the losses after a
+    # quarter of training so the differences between methods stay visible.
+    last = max(t for r in with_curve for t, _ in r.curve)
+    low = min(v for r in with_curve for _, v in r.curve)
+    high = max(v for r in with_curve for t, v in r.curve if t >= 0.25 * last)
+    handles: dict[str, Any] = {}
+    for ax, workers in zip(axes, panels):
+        for r in [x for x in with_curve if x.is_dp or x.workers == workers]:
+            label = "dp" if r.is_dp else names[_series_label(r, varying)]
+            label += f" seed {r.seed}" if seeds else ""
+            color, style = ("black", "--") if r.is_dp else (colors[_series_label(r, varying)], "-")
+            (line,) = ax.plot([t for t, _ in r.curve], [v for _, v in r.curve], marker=".", color=color,
+                              linestyle=style)
+            handles.setdefault(label, line)
+        ax.set_title("dp" if workers is None else f"R = {workers}")
+        ax.set_xlabel("training tokens")
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=4))
+        ax.grid(True, alpha=0.3)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    pad = 0.03 * (high - low or 1.0)
+    axes[0].set_ylim(low - pad, high + pad)
+    _plain_y(axes[0], _loss_span([high]))
+    for ax in axes[::cols]:
+        ax.set_ylabel("validation loss")
+    _legend_below(fig, list(handles.values()), list(handles))
+    return fig
+
+
+def _against_bytes(runs: list[RunResult]) -> Any:
+    """Final loss against the slow-link bytes per round, log scale: what each setting saved and
+    what it cost, one point per setting (mean ± std over seeds), dp as a dashed line."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter
+
+    groups = [g for g in group_runs([r for r in runs if not r.is_dp and r.final_val_loss is not None
+                                     and r.slow_link_bytes])]
+    varying = [d for d in ("workers", "inner_steps", "tokens") if len({getattr(g.first, d) for g in groups}) > 1]
+    firsts = {_series_label(g.first, varying): g.first for g in groups}
+    names, colors = _legend_names(firsts, varying), _colors(firsts)
+    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title("Final validation loss against the slow link's bytes")
+    for group in groups:
+        label = _series_label(group.first, varying)
+        loss, spread = mean_std(group.values("final_val_loss"))
+        ax.errorbar([mean_std(group.values("slow_link_bytes"))[0]], [loss], yerr=[spread or 0.0], marker="o",
+                    capsize=3, linestyle="none", color=colors[label], label=names[label])
+    for model, tokens in sorted({r.budget for r in runs if r.is_dp and r.final_val_loss is not None}):
+        dp = mean_std([r.final_val_loss for r in runs if r.is_dp and r.budget == (model, tokens)
+                        and r.final_val_loss is not None])[0]
+        ax.axhline(dp, color="black", linestyle="--", linewidth=1, label=f"dp tokens={tokens}" if varying else "dp")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(EngFormatter(unit="B", sep=""))
+    ax.set_xlabel("slow-link bytes per process per round (measured, or modelled in one process)")
+    ax.set_ylabel("final validation loss")
+    _plain_y(ax, _loss_span(loss for g in groups for loss in g.values("final_val_loss")))
+    ax.grid(True, alpha=0.3)
+    _legend_below(fig)
+    return fig
+
+
+def _partial(run: RunResult) -> bool:
+    """Whether some round of the run merged fewer than all its workers (`faults.late_rate`)."""
+    return any(merged < run.workers for _, merged in run.participation)
+
+
+def participation_lines(runs: list[RunResult]) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+    """The participation plot's lines: one per distinct sequence of (step, workers merged) among
+    the runs whose participation varied, named after its first run and how many share it. Runs
+    with the same seed and late rate draw the same late workers whatever the method, so a grid
+    of them would otherwise draw the same line many times over."""
+    groups: dict[tuple[tuple[int, int], ...], list[str]] = {}
+    for run in sorted((r for r in runs if _partial(r)), key=sort_key):
+        groups.setdefault(run.participation, []).append(run.name)
+    return [(names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more with the same rounds", rounds)
+            for rounds, names in groups.items()]
+
+
+def _participation(runs: list[RunResult]) -> Any:
+    """Workers merged in each round, one step line per distinct participation (`participation_lines`)."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    lines = participation_lines(runs)
+    # The legend goes under the axes: its labels name runs, too long to sit beside them.
+    fig = Figure(figsize=(7.0, 3.4), layout="constrained")
+    ax = fig.subplots()
+    for index, (label, rounds) in enumerate(lines):
+        # Lines that share a round's count are dodged apart so each stays visible.
+        ax.plot([_dodge(step, index, len(lines)) for step, _ in rounds], [merged for _, merged in rounds],
+                marker="o", label=label)
+    ax.set_ylim(-0.2, max(r.workers for r in runs if _partial(r)) + 0.2)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step (end of the round)")
+    ax.set_ylabel("workers merged")
+    ax.grid(True, alpha=0.3)
+    _legend_below(fig)
+    return fig
+
+
+def write_plots(runs: list[RunResult], folder: Path) -> list[tuple[str, str]]:
+    """Write every plot that has data; return (file name, caption) pairs in a fixed order."""
+    import matplotlib.style
+
+    folder.mkdir(parents=True, exist_ok=True)
+    trained = [r for r in runs if not r.is_dp and r.final_val_loss is not None]
+    written: list[tuple[str, str]] = []
+    with matplotlib.style.context("default"):
+        for axis, (short, _) in X_AXES.items():
+            if trained and (axis == "workers" or len({getattr(r, axis) for r in trained}) > 1):
+                for gap, stem, caption in ((False, "val_loss", "Final validation loss"), (True, "gap", "Gap to DP")):
+                    if gap and all(r.gap_pct is None for r in trained):
+                        continue  # no dp run to measure a gap to: an empty chart says nothing
+                    file = f"{stem}_vs_{short}.png"
+                    _save(_against(runs, axis, gap), folder / file)
+                    written.append((file, f"{caption} vs {short}"))
+        knobs = _knobs(runs)
+        for key in sorted(knobs):
+            file = f"val_loss_vs_{key}.png"
+            _save(_against_knob(runs, key, knobs), folder / file)
+            written.append((file, f"Final validation loss vs {key}"))
+        if any(r.curve for r in runs):
+            _save(_curves(runs), folder / "val_curves.png")
+            written.append(("val_curves.png", "Validation loss curves"))
+        if len({r.slow_link_bytes for r in trained if r.slow_link_bytes}) > 1:
+            _save(_against_bytes(runs), folder / "val_loss_vs_bytes.png")
+            written.append(("val_loss_vs_bytes.png", "Final validation loss vs slow-link bytes per round"))
+        if any(_partial(r) for r in runs if not r.is_dp):
+            _save(_participation([r for r in runs if not r.is_dp]), folder / "participation.png")
+            written.append(("participation.png", "Workers merged per round"))
+    return written
+
