@@ -23,7 +23,7 @@ and exits 1 if any check failed:
     pinned host memory, copied to the GPU for the merge and back) train what workers kept on
     the GPU train, bit for bit;
 12. low rank and top-k (`merge.compress`, int8 with error feedback, overlapped) on the GPU
-    train what the CPU trains;
+    train what the CPU trains, low rank also with offloaded workers (its factors made on the GPU);
 13. the torchtitan recipe (`isoloco.torchtitan`, needs the torchtitan extra): a torchft
     lighthouse and 2 replica groups of torchtitan's debug model, each one `torchrun` with half
     the GPUs (FSDP inside a group over NCCL), IsoLoCo's outer step: both groups end
@@ -339,6 +339,8 @@ def offloaded_overlap(setting: Setting, workdir: Path) -> Row:
 STRUCTURED = {
     "low rank": {"merge.compress": "lowrank", "merge.compress_rank": 2},
     "top-k": {"merge.compress": "topk", "merge.compress_density": 0.1, "merge.compress_chunk": 64},
+    # Deltas and residuals in pinned host memory, the factors where the merge computes.
+    "low rank, offloaded": {"merge.compress": "lowrank", "merge.compress_rank": 2, "offload_workers": True},
 }
 
 

@@ -206,6 +206,48 @@ def test_dropped_round_equals_merging_the_other_workers(tmp_path):
         assert torch.allclose(new, expected, rtol=1e-5, atol=1e-7), name
 
 
+def test_error_feedback_loses_nothing_when_a_worker_is_dropped(tmp_path):
+    """The error-feedback ledger with a dropped worker: over every round, Σ delivered + Σ residuals
+    = Σ meant (the deltas of the workers merged), in float64. Four workers, int4 on the exchange
+    route (every island owns a chunk of the total), worker 1 dropped in round 1: it sent nothing,
+    so its residual (what earlier rounds lost, and this round's owner rounding) stays, and is sent
+    later. Zeroing it would lose that for good."""
+    from isoloco.sync.handles import Sync
+
+    trainer = poison(small_trainer(tmp_path, on_bad_worker="drop", steps=20, inner_steps=5,
+                                   **{"method": "diloco", "merge.quantize": "int4", "merge.error_feedback": True}),
+                     worker_index=1, round_start=5)
+    merger, names = trainer.algorithm.outer.merger, [name for name, _ in trainer.named_params]
+    meant = {name: 0 for name in names}
+    delivered = {name: 0 for name in names}
+    arrivals = []
+    original = merger.start
+
+    def start(local_deltas, *args, participation=None, **options):
+        arrived = participation.arrived
+        arrivals.append(arrived)
+        for name, deltas in local_deltas.items():
+            meant[name] = meant[name] + sum(deltas[w].double() for w in arrived)
+        sync = original(local_deltas, *args, participation=participation, **options)
+
+        def steps():
+            merged = yield from sync.steps
+            for name in names:
+                delivered[name] = delivered[name] + merged[name].double() * len(arrived)
+            return merged
+
+        return Sync(steps(), sync.stages)
+
+    merger.start = start
+    trainer.run()
+    assert arrivals == [(0, 1, 2, 3), (0, 2, 3), (0, 1, 2, 3), (0, 1, 2, 3)]
+    dropped = trainer.algorithm.workers[1].residual
+    assert all(torch.isfinite(r).all() for r in dropped) and any(r.abs().sum() > 0 for r in dropped)
+    for index, name in enumerate(names):
+        kept = sum(worker.residual[index].double() for worker in trainer.algorithm.workers)
+        scale = meant[name].abs().max()
+        assert (delivered[name] + kept - meant[name]).abs().max() <= 1e-5 * scale, name
+
 
 @pytest.mark.parametrize("change, message", [
     (("workers: 2", "workers: 4"), "resume with the same number of workers"),

@@ -5,6 +5,8 @@ stages that never stop the host to read a tensor.
 The oracles are float64 sums of what the workers meant and plain loops (`helpers.reference_sum`);
 the processes are threads (`helpers.ProcessGroup`), islands of one or two of them."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,8 @@ from isoloco.comm import LocalCommunicator
 from isoloco.merge import MergeConfig, Merger, Participation
 from isoloco.sync.codec import Quantization, shard_ranges
 from isoloco.sync.compressed import choose_route
-from isoloco.sync.handles import run_to_end
+from isoloco.sync.handles import Sync, run_to_end
+from isoloco.sync.sparseloco import Tiling, sparseloco_mean
 
 from helpers import ProcessGroup, reference_sum, run_threads
 
@@ -138,6 +141,104 @@ def test_offloaded_residuals_are_stored_back(compressor):
     assert any(r.abs().sum() > 0 for r in runs[1][-1][3]["wide.weight"])
 
 
+class DeviceCopies:
+    """Copies back to pinned host memory as on a GPU (`isoloco.sync.offload`), played on the
+    CPU: every store counts as asynchronous and records an event on a stream that logs it, and
+    `fetch` (a copy, as an offloaded worker's) checks that the stream waited for the last event
+    of a stored tensor before fetching it."""
+
+    def __init__(self, monkeypatch, stored: list[torch.Tensor]) -> None:
+        from isoloco.sync import offload
+
+        self.offload, self.log = offload, []
+        self.addresses = {tensor.data_ptr() for tensor in stored}
+        log = self.log
+
+        class Event:
+            def synchronize(self):
+                log.append(("synchronize", self))
+
+        class Stream:
+            def record_event(self):
+                log.append(("record", Event()))
+                return log[-1][1]
+
+            def wait_event(self, event):
+                log.append(("wait", event))
+
+        monkeypatch.setattr(offload, "_asynchronous", lambda stored, value: True)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+
+    def fetch(self, stored: torch.Tensor) -> torch.Tensor:
+        pending = self.offload._pending.get(stored.data_ptr())
+        if stored.data_ptr() in self.addresses and pending is not None:
+            assert self.log[-1] == ("wait", pending[0]), "a stored tensor was fetched before its copy back landed"
+        return stored.clone()
+
+    def check_settled(self) -> None:
+        """Events were recorded and waited for; `settle` waits on the host for the last of each."""
+        recorded = [event for what, event in self.log if what == "record"]
+        assert recorded and any(what == "wait" for what, _ in self.log)
+        self.offload.settle()
+        synchronized = [event for what, event in self.log if what == "synchronize"]
+        assert not self.offload._pending and set(synchronized) <= set(recorded)
+        assert len(synchronized) == len(self.addresses)
+
+
+@pytest.mark.parametrize("compressor", sorted(COMPRESSORS))
+def test_offloaded_residuals_are_stored_back_without_the_host_waiting(compressor, monkeypatch):
+    """Offloaded from a GPU (pinned host memory), a residual goes back with a copy the host does
+    not wait for: each store records an event, and the next fetch of that residual first has its
+    stream wait for the event (on the device); `offload.settle` waits on the host for them all.
+    The same bits as the blocking copies."""
+    blocking = [(t, deltas, merged, {name: [r.clone() for r in rs] for name, rs in kept.items()})
+                for t, deltas, merged, kept in simulate(config(compressor, "int8"), 3, 3, fetch=torch.clone)]
+    merger = Merger(config(compressor, "int8"), LocalCommunicator(3), seed=3)
+    residuals = zeros(3)
+    copies = DeviceCopies(monkeypatch, [r for rs in residuals.values() for r in rs])
+    for t, deltas, merged, kept in blocking:
+        got = run_to_end(merger.start(deltas, t, fetch=copies.fetch, residuals=residuals).steps)
+        for name in SHAPES:
+            assert torch.equal(got[name], merged[name]) and all(map(torch.equal, residuals[name], kept[name]))
+    copies.check_settled()
+
+
+def test_offloaded_sparseloco_accumulators_are_stored_back_without_the_host_waiting(monkeypatch):
+    """SparseLoCo's accumulators go back to pinned host memory as the residuals do."""
+    tiling, rounds = Tiling(8, 4), [round_deltas(3, t) for t in range(3)]
+    expected, accumulators = zeros(3), zeros(3)
+    merged = [run_to_end(sparseloco_mean(LocalCommunicator(3), deltas, expected, tiling, 0.95, fetch=torch.clone))
+              for deltas in rounds]
+    copies = DeviceCopies(monkeypatch, [a for accs in accumulators.values() for a in accs])
+    for deltas, want in zip(rounds, merged):
+        got = run_to_end(sparseloco_mean(LocalCommunicator(3), deltas, accumulators, tiling, 0.95, fetch=copies.fetch))
+        assert all(torch.equal(got[name], want[name]) for name in SHAPES)
+    assert all(torch.equal(a, b) for name in SHAPES for a, b in zip(accumulators[name], expected[name]))
+    copies.check_settled()
+
+
+def test_low_rank_factors_are_made_where_the_merge_computes(monkeypatch):
+    """Offloaded from a GPU, deltas and residuals are stored in pinned host memory and fetched to
+    the GPU, where the merge computes: the first round's warm-start factors must be made there,
+    not where the deltas are stored, or the first product X·Q mixes devices. Played here with
+    deltas stored on the CPU and fetched to the meta device."""
+    from isoloco import merge
+
+    made: list[str] = []
+    island_phase = merge.island_phase
+
+    def spy(link, island, shapes, names, compression, factors):
+        made.extend(factor.device.type for factor in factors.values())
+        return island_phase(link, island, shapes, names, compression, factors)
+
+    monkeypatch.setattr(merge, "island_phase", spy)
+    merger = Merger(MergeConfig(rule="mean", quantize="int8", **COMPRESSORS["lowrank"]), LocalCommunicator(4), seed=3)
+    merged = run_to_end(merger.start(round_deltas(4, 0), 0, fetch=lambda stored: stored.to("meta")).steps)
+    assert made and set(made) == {"meta"}, made
+    assert {t.device.type for t in merged.values()} == {"meta"}
+    assert {f.device.type for f in merger.factors.values()} == {"meta"}
+
+
 # -- one code path ------------------------------------------------------------------------------------
 
 
@@ -185,25 +286,99 @@ def test_processes_give_the_simulators_bits_with_late_workers(compressor, fmt, s
 # -- stages that never stop the host ------------------------------------------------------------------
 
 
-CONVERSIONS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__")
+CONVERSIONS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__", "nonzero")
+#: torch.linalg's functions that check their result on the host (a sync on a GPU): torch raises
+#: their errors from a status it reads back.
+SYNCING_LINALG = ("svd", "svdvals", "eig", "eigvals", "eigh", "eigvalsh", "cholesky", "inv", "solve", "lstsq",
+                  "pinv", "matrix_rank", "det", "slogdet")
+#: Each rule and compressor whose stages may overlap training: the mean, and Iso-C (with a
+#: compressor, one matrix kept whole, so its finalize stage follows the compressed sums).
+NO_SYNC_CASES = {f"{rule}-{compressor}": (rule, compressor) for rule in ("mean", "iso_c") for compressor in COMPRESSORS}
 
 
-@pytest.mark.parametrize("compressor", sorted(COMPRESSORS))
-def test_no_stage_reads_a_tensor_on_the_host(compressor, monkeypatch):
-    """A GPU stage that converts a tensor to a Python value waits for the side stream and so
-    cannot overlap training: once the merge has started (its one finiteness check per bucket
-    done), no stage converts one."""
-    merger = Merger(config(compressor, "int8"), LocalCommunicator(4), seed=3)
+class HostReads:
+    """While `refused`, a tensor converted to a Python value or a synchronising linalg call
+    raises: what would stop the host inside a stage on a GPU. `allowed(level)` lifts the
+    conversions and the linalg ("all": a rule's pure finalize step) or the linalg alone
+    ("linalg": the landing, after the last stage, which the host waits for anyway)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.lifted: set[str] = set()
+        self._monkeypatch = monkeypatch
+        for name in CONVERSIONS:
+            monkeypatch.setattr(torch.Tensor, name, self._guard("conversion", f"Tensor.{name}", getattr(torch.Tensor, name)))
+        for name in SYNCING_LINALG:
+            monkeypatch.setattr(torch.linalg, name, self._guard("linalg", f"torch.linalg.{name}",
+                                                                getattr(torch.linalg, name)))
+        monkeypatch.setattr(torch, "svd", self._guard("linalg", "torch.svd", torch.svd))
+
+    def _guard(self, kind: str, what: str, original):
+        def guarded(*args, **kwargs):
+            if kind not in self.lifted:
+                raise AssertionError(f"a stage called {what}, which waits for the device")
+            return original(*args, **kwargs)
+        return guarded
+
+    def allowed(self, level: str):
+        lifted = {"conversion", "linalg"} if level == "all" else {"linalg"}
+        reads = self
+
+        class Lifted:
+            def __enter__(self):
+                self.before = set(reads.lifted)
+                reads.lifted |= lifted
+
+            def __exit__(self, *_):
+                reads.lifted = self.before
+
+        return Lifted()
+
+    def drive(self, sync):
+        """Run `sync`'s stages under the refusals, then its landing with the linalg allowed."""
+        for _ in range(sync.stages):
+            next(sync.steps)
+        with self.allowed("linalg"):
+            result = run_to_end(sync.steps)
+        self._monkeypatch.undo()
+        return result
+
+
+@pytest.mark.parametrize("case", sorted(NO_SYNC_CASES))
+def test_no_stage_reads_a_tensor_on_the_host(case, monkeypatch):
+    """A GPU stage that converts a tensor to a Python value, or calls a linalg function that
+    checks its result on the host (an SVD, an eigendecomposition), waits for the side stream and
+    so cannot overlap training: once the merge has started (its one finiteness check per bucket
+    done), no stage does, for the mean and Iso-C, dense, low rank and top-k. Only Iso-C's pure
+    finalize step may, and the landing after the last stage may run an SVD (Iso-C in the span of
+    low rank's factors), where the host waits for the synchronisation anyway."""
+    rule, compressor = NO_SYNC_CASES[case]
+    extra = {"compress_exclude": ["tall.weight"]} if rule == "iso_c" and compressor != "dense" else {}
+    merger = Merger(dataclasses.replace(config(compressor, "int8", **extra), rule=rule), LocalCommunicator(4), seed=3)
+    reads = HostReads(monkeypatch)
+    if merger._rule.finalize is not None:
+        finalize = merger._rule.finalize
+
+        def pure(merged, knobs):
+            with reads.allowed("all"):
+                return finalize(merged, knobs)
+
+        merger._rule = dataclasses.replace(merger._rule, finalize=pure)
+    reads.lifted = {"conversion", "linalg"}  # the finiteness check, before the first stage
     sync = merger.start(round_deltas(4, 0), 0, residuals=zeros(4))
-
-    def refuse(*_, **__):
-        raise AssertionError("a stage converted a tensor to a Python value")
-
-    for name in CONVERSIONS:
-        monkeypatch.setattr(torch.Tensor, name, refuse)
-    result = run_to_end(sync.steps)
-    monkeypatch.undo()
+    reads.lifted = set()
+    result = reads.drive(sync)
     assert set(result) == set(SHAPES)
+
+
+def test_no_sparseloco_stage_reads_a_tensor_on_the_host(monkeypatch):
+    """SparseLoCo's one stage (each worker's accumulator compressed: top-k, 2-bit values with a
+    scale chosen on the device) converts no tensor to a Python value either."""
+    deltas = round_deltas(4, 0)
+    accumulators = zeros(4)
+    reads = HostReads(monkeypatch)
+    steps = sparseloco_mean(LocalCommunicator(4), deltas, accumulators, Tiling(8, 4), 0.95)
+    result = reads.drive(Sync(steps, 1))
+    assert set(result) == set(SHAPES) and all(torch.isfinite(t).all() for t in result.values())
 
 
 # -- four gloo processes ---------------------------------------------------------------------------

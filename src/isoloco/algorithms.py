@@ -37,7 +37,7 @@ from isoloco.merge import MergeConfig, Participation, wire_bytes_per_merge
 from isoloco.rules import RULES
 from isoloco.ortho import FACTOR_PATHS
 from isoloco.outer import OuterStep
-from isoloco.sync import sparseloco
+from isoloco.sync import offload, sparseloco
 from isoloco.sync.handles import Steps, Sync, run_to_end
 from isoloco.sync.inflight import InFlight
 
@@ -378,8 +378,23 @@ class DiLoCo(Algorithm):
         for worker in self.workers:
             if worker.index in self.dropped:  # its optimizer state is as poisoned as its weights
                 worker.optimizer = self.new_optimizer()
-                for residual in worker.residual:
-                    residual.zero_()
+                self._keep_residuals(worker)
+
+    def _keep_residuals(self, worker: Worker) -> None:
+        """A dropped worker's residuals (its island's error feedback, or SparseLoCo's accumulators)
+        stay: it sent nothing, so its delta never reached them, and they hold what earlier rounds'
+        compression lost and this round's owner roundings. Only a residual that is itself not
+        finite is zeroed (one sync per worker; drop runs without overlap)."""
+        if not worker.residual:
+            return
+        offload.settle()  # copies back to host memory, read here
+        # A tensor's extremes are finite exactly when all its entries are (a norm may overflow).
+        extremes = torch.stack([torch.stack(torch.aminmax(residual)) for residual in worker.residual])
+        finite = torch.isfinite(extremes).all(dim=1).tolist()
+        for residual, ok in zip(worker.residual, finite):
+            if not ok:
+                logger.warning("worker %d's error-feedback residual is not finite: zeroed", worker.index)
+                residual.zero_()
 
     def _fetch(self, delta: torch.Tensor) -> torch.Tensor:
         return delta.to(self.device, non_blocking=True)
@@ -443,6 +458,7 @@ class DiLoCo(Algorithm):
         return files
 
     def worker_tensors(self, worker: Worker) -> dict[str, torch.Tensor]:
+        offload.settle()  # residuals copied back to host memory are read by the checkpoint's writer
         tensors = dict(zip((f"w{worker.index}.residual.{name}" for name in self.names), worker.residual))
         tensors.update(zip((f"w{worker.index}.carry.{name}" for name in self.names), worker.carry))
         if self.in_flight is not None:  # its Δ_r still makes its own weights (`_own_weights`)

@@ -313,9 +313,11 @@ class _Job:
     finalize: Callable[[torch.Tensor], torch.Tensor] | None
     state: Any = None
     memos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    #: merge.compress=lowrank with Iso-C: finalized in the span of its factors as its sum lands
-    #: (`isoloco.ortho.iso_correct_in_span`), not by `finalize`.
+    #: merge.compress=lowrank with Iso-C: finalized in the span of its factors after the last
+    #: stage (`Merger._in_span`, `isoloco.ortho.iso_correct_in_span`), not by `finalize`.
     in_span: bool = False
+    #: With `in_span`: P̂, the orthonormal basis of its low-rank sum, once the sum has landed.
+    basis: torch.Tensor | None = None
 
 
 # -------------------------------------------------------------------------------- merger
@@ -474,7 +476,17 @@ class Merger:
         merged = {job.name: job.state for job in jobs}
         if finalize_limit is not None:
             yield from self._finalize(jobs, merged, finalize_limit)
+        self._in_span(jobs, merged)
         return merged
+
+    def _in_span(self, jobs: list[_Job], merged: dict[str, torch.Tensor]) -> None:
+        """Iso-C of the low-rank sums in their factors' span (`isoloco.ortho.iso_correct_in_span`),
+        after the last stage: an SVD (a host sync on a GPU), so it runs where the synchronisation
+        lands, not inside a stage that an overlapped synchronisation runs between inner steps."""
+        for job in jobs:
+            if job.in_span:
+                merged[job.name] = iso_correct_in_span(merged[job.name], job.basis, self._knobs.iso)
+                job.basis = None
 
     def _finalize_of(self, name: str, tensor: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
         if self._rule.finalize is None or not self.cfg.applies(name, tensor):
@@ -550,6 +562,11 @@ class Merger:
         return torch.zeros(size, dtype=where.dtype, device=where.device)
 
     @staticmethod
+    def _compute_device(jobs: list[_Job], round: _Round) -> torch.device:
+        """Where the merge of `jobs` computes: the device their deltas are fetched to."""
+        return round.fetched(jobs[0].deltas[0].reshape(-1)[:0]).device
+
+    @staticmethod
     def _combine(jobs: list[_Job], phase: int, collective: str, result: Any, offsets: list[int],
                  scales: Mapping[int, float] | None) -> None:
         # A gather's blocks come in global worker order; those of workers that did not arrive are dropped.
@@ -572,7 +589,10 @@ class Merger:
         names = [job.name for job in jobs]
         self.comm.bytes_sent_per_worker += sum(self._sent_bytes(name, shape) for name, shape in zip(names, shapes))
         compression = self.cfg.compression
-        factors = {index: self._factor(name, shape, jobs[index].deltas[0].device)
+        # Where the merge computes (the deltas are fetched to), not where they are stored (pinned
+        # host memory when offloaded from a GPU).
+        device = self._compute_device(jobs, round)
+        factors = {index: self._factor(name, shape, device)
                    for index, (name, shape) in enumerate(zip(names, shapes))
                    if compression.structured(shape, name) and compression.compress == "lowrank"}
         links, groups = self._links()
@@ -597,7 +617,7 @@ class Merger:
     def _land(self, jobs: list[_Job], phase: int, totals: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]]
               ) -> None:
         """Combine each job's compressed sum (`totals[index]`: the sum and None, or low rank's
-        Q' and P̂, whose product is the sum), finalizing in the factors' span the jobs that ask for it."""
+        Q' and P̂, whose product is the sum), keeping P̂ for the jobs finalized in the factors' span."""
         for index, job in enumerate(jobs):
             total, basis = totals[index]
             shape = job.phases[phase].shape
@@ -605,11 +625,12 @@ class Merger:
                 self.factors[job.name] = total
                 total = basis @ total.T
             job.state = job.phases[phase].combine(total.view(shape).to(job.deltas[0].dtype), job.state)
-            if job.in_span:
-                job.state = iso_correct_in_span(job.state, basis, self._knobs.iso)
+            if job.in_span:  # corrected once every stage has run (`_in_span`): its SVD syncs with the host
+                job.basis = basis
 
     def _factor(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        """Matrix `name`'s warm-start Q: last round's, or the seeded first one."""
+        """Matrix `name`'s warm-start Q: last round's, or the seeded first one, made on `device`
+        (where the merge computes)."""
         if name not in self.factors:
             self.factors[name] = initial_factor(name, shape, self.cfg.compress_rank, self.seed).to(device)
         return self.factors[name]

@@ -19,7 +19,7 @@ T rounds Σ delivered = Σ meant − Σ_i e_i(T), the islands' residuals now:
 **An island none of whose workers arrived** sends zeros and keeps its residual for its next
 merge (it adds nothing of its own), but as the owner of a chunk it still keeps that chunk's
 rounding. Residuals live with each island's first worker, and are fetched and stored back one
-island at a time.
+island at a time (offloaded from a GPU, stored without the host waiting: `isoloco.sync.offload`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from isoloco.sync import offload
 from isoloco.sync.codec import Quantization
 from isoloco.sync.compressed import ChunkPlan, Rounding, island_sum, sum_stages
 from isoloco.sync.handles import Steps, lockstep, padded
@@ -86,12 +87,11 @@ class Island:
     keep_inputs: bool
 
     def load(self, tensor: int) -> torch.Tensor:
-        return self.fetch(self.residuals[tensor])
+        return offload.fetched(self.residuals[tensor], self.fetch)
 
     def store(self, tensor: int, value: torch.Tensor) -> None:
-        stored = self.residuals[tensor]
-        if value is not stored:
-            stored.copy_(value.view_as(stored))
+        # Offloaded from a GPU: a copy to pinned host memory that the host does not wait for.
+        offload.store(self.residuals[tensor], value)
 
 
 def island_phase(link: IslandLink, island: Island, shapes: Sequence[torch.Size], names: Sequence[str],

@@ -34,6 +34,7 @@ from typing import Callable, Collection, Mapping, Sequence
 import torch
 
 from isoloco.comm import Communicator
+from isoloco.sync import offload
 from isoloco.sync.codec import aligned
 from isoloco.sync.cost import wire_bytes
 from isoloco.sync.handles import Steps
@@ -131,8 +132,11 @@ def quantize_values(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """2-bit codes (uint8 in 0..3) of float32 `values` and their table [shift, lookup of each bin]."""
     shift = values.mean()
     centered = values - shift
-    scale = RANGE_SIGMAS * (centered.norm() / math.sqrt(values.numel() - 1)) / BINS if values.numel() > 1 else None
-    if scale is None or not (torch.isfinite(scale) and scale != 0):
+    if values.numel() > 1:
+        # A zero or non-finite scale becomes 1, chosen on the device: no host sync inside a stage.
+        scale = RANGE_SIGMAS * (centered.norm() / math.sqrt(values.numel() - 1)) / BINS
+        scale = torch.where(torch.isfinite(scale) & (scale != 0), scale, 1.0)
+    else:
         scale = torch.ones((), dtype=values.dtype, device=values.device)
     codes = (centered / scale + BINS // 2).round().clamp(0, BINS - 1).to(torch.uint8)
     # One reduction per bin (not scatter_add's atomics), so every device adds in one order.
@@ -249,10 +253,9 @@ def sparseloco_mean(comm: Communicator, deltas: Mapping[str, Sequence[torch.Tens
         parts = []
         for name, layout in zip(names, layouts):
             stored = accumulators[name][index]
-            accumulator = fetch(stored)
+            accumulator = offload.fetched(stored, fetch)
             parts.append(compress_with_decay(accumulator, fetch(deltas[name][index]), decay, layout))
-            if accumulator is not stored:
-                stored.copy_(accumulator)
+            offload.store(stored, accumulator)  # offloaded from a GPU: the host does not wait for it
         blobs.append(torch.cat(parts))
     handle = comm.gather_async(blobs)
     yield [handle]
