@@ -1,8 +1,11 @@
 """Helpers shared by test modules: the tiny run most tests train, and comparisons of results."""
 
 import os
+import subprocess
 import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file
@@ -25,6 +28,28 @@ SMALL_ARGS = ["model=tiny", "seq_len=32", "global_batch=8", "data.vocab_size=512
 
 #: The environment of a training process started by a test: one thread, as `make test` runs.
 ONE_THREAD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+#: How long a test waits at most for a run it started to reach a point (a checkpoint, a step):
+#: a cap against a run that hangs, far above any loaded machine's time; a run that ends first
+#: fails the wait at once.
+EVENT_CAP_S = 1800.0
+
+
+def wait_for(reached: Callable[[], bool], proc: subprocess.Popen, what: str, cap_s: float = EVENT_CAP_S) -> None:
+    """Wait until `reached()` holds while `proc` runs: on the event, not the clock, so a slow
+    machine only waits longer. Fails, saying `what` was awaited, if `proc` ends first (with its
+    exit status) or after `cap_s` seconds."""
+    deadline = time.monotonic() + cap_s
+    while not reached():
+        status = proc.poll()
+        if status is not None:
+            if reached():  # the event, then the exit, between two looks
+                return
+            raise AssertionError(f"the run ended (exit status {status}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the run was still going after {cap_s:.0f} s without {what}")
+        time.sleep(0.05)
 
 
 def final_params(run: Path) -> dict[str, torch.Tensor]:

@@ -54,3 +54,10 @@ def test_a_committed_run_retrains_its_first_round_bit_for_bit(tmp_path):
     saved["inner"]["kernel"] = "fused"
     fused = _round_losses(tmp_path, saved)
     assert fused != logged and max(abs(a - b) for a, b in zip(fused, logged)) < 1e-4
+
+
+def test_a_committed_config_yaml_given_as_a_file_trains_with_its_kernel_and_a_partial_file_with_the_default(tmp_path):
+    assert resolve(str(COMMITTED / "config.yaml"), {}).inner.kernel == "foreach"
+    partial = tmp_path / "mine.yaml"
+    partial.write_text("inner:\n  lr: 0.01\n  beta2: 0.99\n")  # names some keys only: a new file
+    assert resolve(str(partial), {}).inner.kernel == "fused"

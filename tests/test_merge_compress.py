@@ -18,7 +18,7 @@ from isoloco.ortho import iso_correct_in_span
 from isoloco.sync.codec import Quantization, dequantize, quantize, shard_ranges
 from isoloco.sync.compressed import choose_route
 from isoloco.sync.lowrank import initial_factor
-from helpers import ONE_THREAD_ENV, SMALL_ARGS
+from helpers import ONE_THREAD_ENV, SMALL_ARGS, wait_for
 from test_compressed import island_mergers, run_islands
 
 SHAPES = {"wide.weight": (12, 40), "tall.weight": (50, 6), "norm.weight": (7,)}
@@ -317,9 +317,7 @@ def test_a_run_killed_twice_resumes_to_the_uninterrupted_loss(tmp_path, uninterr
     chance = random.Random(7)
     proc = train("train", *RUN, "--out", str(killed))
     for kill_after in sorted(chance.sample(range(2, 11), 2)):
-        deadline = time.time() + 120
-        while time.time() < deadline and steps_done(killed) < kill_after:
-            time.sleep(0.02)
+        wait_for(lambda: steps_done(killed) >= kill_after, proc, f"step {kill_after}")
         time.sleep(chance.uniform(0, 0.2))
         proc.send_signal(signal.SIGKILL)
         proc.wait()

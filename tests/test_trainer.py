@@ -4,7 +4,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from isoloco.sync.handles import Sync
 from isoloco.sync.inflight import InFlight
 from isoloco.trainer import Trainer
 import helpers
-from helpers import ONE_THREAD_ENV, SMALL_ARGS, assert_close_relative
+from helpers import ONE_THREAD_ENV, SMALL_ARGS, assert_close_relative, wait_for
 
 SMALL = {**helpers.SMALL, "steps": 10, "eval_every": 10}
 
@@ -268,12 +267,9 @@ def test_killed_run_resumes_to_identical_numbers(tmp_path, extra):
                                         "--quiet"], stdout=subprocess.DEVNULL, stderr=stderr, text=True,
                                        env=ONE_THREAD_ENV)
                       for out, stderr in ((reference, subprocess.PIPE), (killed, subprocess.DEVNULL)))
-    deadline = time.time() + 120
-    while time.time() < deadline and not list((killed / "checkpoints").glob("step_00000010")):
-        time.sleep(0.05)
+    wait_for(lambda: (killed / "checkpoints" / "step_00000010").is_dir(), proc, "its checkpoint at step 10")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert list((killed / "checkpoints").glob("step_*")), "the run never reached a checkpoint"
     assert not (killed / "summary.json").exists(), "the run finished before it could be killed"
 
     resumed = isoloco("train", "--resume", str(killed), "--quiet")

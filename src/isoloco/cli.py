@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,13 @@ import yaml
 from isoloco import __version__, logs
 from isoloco.checkpoint import latest_to_resume, write_json_atomic, write_text_atomic
 from isoloco.cliargs import add_items, parse_late
-from isoloco.config import (DEFAULT_PRESET, TrainConfig, describe_keys, from_dict, parse_overrides, preset_names,
-                            resolve, run_warnings, split_items, to_dict)
+from isoloco.config import (DEFAULT_PRESET, TrainConfig, describe_keys, excluded_matrices, from_dict, matrix_names,
+                            parse_overrides, preset_names, resolve, run_warnings, split_items, to_dict)
 from isoloco.data.cli import add_data_commands
-from isoloco.distributed import Distributed, process_group
+from isoloco.distributed import Distributed, launched_world_size, process_group
 from isoloco.errors import EXIT_INTERRUPTED, REPORTED, UsageError, describe
 from isoloco.launch import add_launch_command
-from isoloco.stop import StopRequested
+from isoloco.stop import Interrupted, StopAtOnce, StopRequested
 from isoloco.layout import ProcessLayout
 from isoloco.sweep import add_sweep_commands
 from isoloco.rundir import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, TOKENIZER_FILE
@@ -133,9 +134,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         _print_dry_run(cfg, out, bool(args.resume))
         return 0
-    # Under torchrun every process runs this; one process alone joins nothing.
-    with process_group(cfg):
-        return _train(args, cfg, out)
+    # Until its first round, a run has nothing to finish or checkpoint: SIGTERM stops it at once,
+    # saying so (then trainer.run's GracefulStop finishes the round a signal arrives in).
+    with StopAtOnce() as starting:
+        try:
+            # Under torchrun every process runs this; one process alone joins nothing.
+            with process_group(cfg):
+                return _train(args, cfg, out, starting)
+        except Interrupted as stopped:
+            logger.log(logs.NOTICE, "stopped by %s during start-up, before training began: %s",
+                       signal.Signals(stopped.signum).name, _after_startup_stop(args, cfg, out))
+            return 128 + stopped.signum
+
+
+def _after_startup_stop(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> str:
+    """What a run stopped before its first round left, and the command that starts it again."""
+    resume = _resume_command(out, launched_world_size())
+    if args.resume:
+        return f"nothing was trained since its last checkpoint; continue with: {resume}"
+    config = out / CONFIG_FILE
+    if config.is_file() and yaml.safe_load(config.read_text()) == to_dict(cfg):
+        return f"{out} holds its config and nothing trained; continue with: {resume}"
+    return "nothing was trained or written; run the same command to start it"
 
 
 def _print_dry_run(cfg: TrainConfig, out: Path, resume: bool, layout: ProcessLayout | None = None) -> None:
@@ -173,7 +193,7 @@ def preflight_launch(command: list[str], world_size: int) -> int | None:
     return None
 
 
-def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> int:
+def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path, starting: StopAtOnce) -> int:
     from isoloco.trainer import Trainer  # heavy imports only once arguments are known good
 
     dist = Distributed(cfg)
@@ -201,6 +221,8 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path) -> int:
     except StopRequested as stopped:
         logger.log(logs.NOTICE, "%s; continue with: %s", stopped, _resume_command(out, dist.world_size))
         return 128 + stopped.signum
+    finally:
+        starting.restore()  # the run has begun: a signal now is the round's (or the default's)
     if dist.is_main:
         summary["unigram_baseline"] = trainer.data.unigram_loss
         write_json_atomic(out / SUMMARY_FILE, summary)
@@ -271,6 +293,14 @@ def _sync_settings(cfg: TrainConfig) -> list[str]:
     elif merge.compress == "topk":
         said.append(f"merge.compress=topk (top-k: density {merge.compress_density:g} of every "
                     f"{merge.compress_chunk} entries)")
+    if merge.compress_exclude:
+        whole, matrices = len(excluded_matrices(cfg)), len(matrix_names(cfg.model))
+        said.append(f"merge.compress_exclude={','.join(merge.compress_exclude)} ({whole} of {matrices} matrices "
+                    "whole)")
+    if cfg.outer.transport == "sparseloco":
+        tile, outer = cfg.outer.sparse_tile, cfg.outer
+        said.append(f"outer.transport=sparseloco (SparseLoCo: top {outer.sparse_topk} of every {tile}×{tile} tile, "
+                    f"2-bit values, accumulator decay {outer.sparse_decay:g})")
     if merge.quantize != "none":
         said.append(f"merge.quantize={merge.quantize}")
     if merge.error_feedback:

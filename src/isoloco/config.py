@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
+import functools
 import hashlib
 import importlib.util
 import math
+import re
 import typing
 from dataclasses import dataclass
 from fractions import Fraction
@@ -28,7 +31,7 @@ from isoloco.distributed import DistConfig
 from isoloco.inner import InnerConfig
 from isoloco.merge import MergeConfig
 from isoloco.methods import METHODS
-from isoloco.model import MODEL_PRESETS
+from isoloco.model import MODEL_PRESETS, llama_config
 from isoloco.outer import OuterConfig, validate_combination
 
 ALGORITHMS = ("diloco", "dp")
@@ -191,6 +194,12 @@ class TrainConfig:
                 f"global_batch={self.global_batch} is not divisible by workers={self.workers}: each worker takes "
                 f"global_batch/workers sequences per step; pick a global_batch that is a multiple of {self.workers}")
         self.check_micro_batch(self.global_batch // self.num_workers, "each worker")
+        if self.outer.transport == "sparseloco" and self.merge.error_feedback:
+            # Before merge's own check, whose fix (a merge.quantize or merge.compress) SparseLoCo refuses.
+            raise ConfigError("merge.error_feedback=true is not allowed with outer.transport=sparseloco: SparseLoCo "
+                              "keeps its own error feedback (each worker's accumulator, decayed by "
+                              "outer.sparse_decay) and takes no merge.quantize or merge.compress; drop "
+                              "merge.error_feedback (or set merge.error_feedback=false)")
         for section in (self.data, self.inner, self.outer, self.merge, self.faults, self.dist):
             section.validate()
         validate_combination(self.merge, self.outer)
@@ -274,13 +283,27 @@ def run_warnings(cfg: TrainConfig, islands: int) -> list[str]:
     return lines
 
 
+#: The outer lr chosen on seed 0 for SparseLoCo's methods on the tiny model, by R (the README's
+#: compressor table; results/claims/compress-tuned/selection.md).
+SPARSELOCO_TUNED_LR = {"sparseloco": {8: 0.5, 16: 0.3}, "sparseloco_isoc": {8: 2.0, 16: 1.5}}
+
+
 def divergence_causes(cfg: TrainConfig) -> str:
     """What is known to drive a run of `cfg` above the unigram baseline, for the warning that
     says it went there: the run's settings measured to, then the learning rates."""
     causes = []
-    if cfg.merge.compress != "none":
+    if cfg.merge.compress != "none" and cfg.algorithm == "diloco":
         causes.append(f"merge.compress={cfg.merge.compress} (low rank and top-k each ended above it in runs on the "
                       "tiny model; docs/claims.md, \"Compression at 100×\")")
+    if cfg.outer.transport == "sparseloco" and cfg.algorithm == "diloco":
+        tuned = SPARSELOCO_TUNED_LR.get(cfg.method)
+        if tuned:
+            said = ", ".join(f"{lr:g} at R = {workers}" for workers, lr in tuned.items())
+            step = (f"its step tuned on the tiny model is outer.lr={said} (the README's compressor table; "
+                    "results/claims/compress-tuned/selection.md)")
+        else:
+            step = "the tuned SparseLoCo rows of the README's compressor table lower outer.lr"
+        causes.append(f"SparseLoCo (outer.transport=sparseloco) at outer.lr={cfg.outer.lr:g}: {step}")
     if Fraction(cfg.outer.overlap_steps, cfg.inner_steps) > SAFE_OVERLAP:
         causes.append(f"outer.overlap_steps={cfg.outer.overlap_steps} with inner_steps={cfg.inner_steps} "
                       f"(τ/H above {SAFE_OVERLAP})")
@@ -491,7 +514,8 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
         raise ConfigError(f"preset {name_or_path!r} is not valid YAML: {err}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"preset {name_or_path!r} must be a mapping of keys to values")
-    return flatten(tree)
+    values = flatten(tree)
+    return {**values, **predated(values)}  # a run's config.yaml retrains as it ran
 
 
 def resolve(preset: str | None, overrides: dict[str, Any]) -> TrainConfig:
@@ -515,7 +539,95 @@ def resolve(preset: str | None, overrides: dict[str, Any]) -> TrainConfig:
     defaults = flatten(to_dict(TrainConfig()))
     refuse_ignored_keys(cfg, [*(key for key, value in written.items() if value != defaults.get(ALIASES.get(key, key))),
                               *overrides])
+    check_exclude_patterns(cfg)
     return cfg
+
+
+# ---------------------------------------------------------------------------------------
+# Parameter names
+
+
+@functools.lru_cache(maxsize=None)
+def parameter_names(model: str) -> tuple[tuple[str, int], ...]:
+    """Every parameter of model preset `model` as (name, dimensions), in model order: the names
+    `merge.compress_exclude` and `merge.exclude` match. From the model built on the meta device
+    (no memory, no weights; the names do not depend on the vocabulary)."""
+    import torch
+    from transformers import LlamaForCausalLM  # seconds to import: only when patterns are given
+
+    with torch.device("meta"):
+        net = LlamaForCausalLM(llama_config(model, vocab_size=256, max_positions=128))
+    return tuple((name, param.dim()) for name, param in net.named_parameters())
+
+
+def matrix_names(model: str) -> list[str]:
+    """The names of model preset `model`'s 2-D parameters, the only ones the patterns act on."""
+    return [name for name, dims in parameter_names(model) if dims == 2]
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def excluded_matrices(cfg: TrainConfig) -> list[str]:
+    """The matrices `merge.compress_exclude` keeps whole (none without patterns)."""
+    patterns = list(cfg.merge.compress_exclude)
+    return [name for name in matrix_names(cfg.model) if _matches(name, patterns)] if patterns else []
+
+
+def check_exclude_patterns(cfg: TrainConfig) -> None:
+    """Refuse a `merge.compress_exclude` or `merge.exclude` pattern that names no matrix of
+    `cfg.model` (a typo would leave every matrix as it was, in silence), naming the matrices it
+    could have meant; and a `merge.compress_exclude` that names every matrix, so that
+    `merge.compress` compresses nothing."""
+    for key in ("compress_exclude", "exclude"):
+        patterns = list(getattr(cfg.merge, key))
+        if not patterns:
+            continue
+        names, everything = matrix_names(cfg.model), parameter_names(cfg.model)
+        for pattern in patterns:
+            if any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                continue
+            vectors = [name for name, _ in everything if fnmatch.fnmatchcase(name, pattern)]
+            what = (f"no matrix of model={cfg.model}, only vectors ({_listed(vectors)}), which merge.{key} never "
+                    "touches" if vectors else f"no parameter of model={cfg.model}")
+            raise ConfigError(f"merge.{key}={_shown(patterns)} is not allowed: the pattern {pattern!r} names {what}; "
+                              f"{_meant(pattern, names)}")
+    excluded = excluded_matrices(cfg)
+    if excluded and len(excluded) == len(matrix_names(cfg.model)):
+        raise ConfigError(f"merge.compress_exclude={_shown(cfg.merge.compress_exclude)} is not allowed: it keeps every "
+                          f"matrix of model={cfg.model} whole, so merge.compress={cfg.merge.compress} would compress "
+                          "nothing; name only the matrices to keep whole (e.g. model.embed_tokens.weight,"
+                          "lm_head.weight), or drop both merge.compress and merge.compress_exclude")
+
+
+def _shown(patterns: list[str]) -> str:
+    """Patterns as the command line spells them."""
+    return ",".join(patterns)
+
+
+def _listed(names: list[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _meant(pattern: str, names: list[str]) -> str:
+    """What a pattern that matched nothing could have meant: the matrices holding its longest
+    literal part (`*embed_token` -> model.embed_tokens.weight), else the closest spellings of the
+    whole name (a typo) or of a part of it, else a sample of what the names look like."""
+    literal = max(re.split(r"[*?\[\]]", pattern), key=len).strip(".")
+    close = [name for name in names if literal and literal in name][:3]
+    close = close or difflib.get_close_matches(pattern, names, n=3, cutoff=0.6)
+    if not close and literal:
+        parts = {}
+        for name in names:
+            for part in name.split("."):
+                parts.setdefault(part, name)
+        close = [parts[part] for part in difflib.get_close_matches(literal, list(parts), n=3, cutoff=0.7)]
+    if close:
+        return f"did you mean {', '.join(close)}? (fnmatch patterns of parameter names, e.g. '*embed_tokens*')"
+    layers = sorted({name for name in names if ".layers." not in name or ".layers.0." in name})
+    return (f"the matrices are named like {_listed(layers, 4)} (fnmatch patterns, e.g. '*embed_tokens*' or "
+            "'*.mlp.*')")
 
 
 #: Keys that act only under one value of another key: key -> (that key, that value). Given
@@ -523,13 +635,26 @@ def resolve(preset: str | None, overrides: dict[str, Any]) -> TrainConfig:
 #: out of the runs it does not act in.
 ACTS_ONLY_WITH = {"merge.compress_rank": ("merge.compress", "lowrank"),
                   "merge.compress_density": ("merge.compress", "topk"),
-                  "merge.compress_chunk": ("merge.compress", "topk")}
+                  "merge.compress_chunk": ("merge.compress", "topk"),
+                  "outer.sparse_decay": ("outer.transport", "sparseloco"),
+                  "outer.sparse_tile": ("outer.transport", "sparseloco"),
+                  "outer.sparse_topk": ("outer.transport", "sparseloco")}
+
+#: Sections whose every key acts only under one value of another key: the data-parallel
+#: baseline has no merge and no outer step.
+SECTION_ACTS_ONLY_WITH = {"merge.": ("algorithm", "diloco"), "outer.": ("algorithm", "diloco")}
+
+
+def _needs(key: str) -> list[tuple[str, Any]]:
+    """What `key` needs to act: (key, value) pairs, the section's first."""
+    return ([needs for section, needs in SECTION_ACTS_ONLY_WITH.items() if key.startswith(section)]
+            + ([ACTS_ONLY_WITH[key]] if key in ACTS_ONLY_WITH else []))
 
 
 def acts(key: str, settings: dict[str, Any]) -> bool:
-    """Whether `key` acts in a run of these flat `settings` (see `ACTS_ONLY_WITH`)."""
-    needs = ACTS_ONLY_WITH.get(key)
-    return needs is None or settings.get(needs[0]) == needs[1]
+    """Whether `key` acts in a run of these flat `settings` (see `ACTS_ONLY_WITH` and
+    `SECTION_ACTS_ONLY_WITH`)."""
+    return all(settings.get(needs) == value for needs, value in _needs(key))
 
 
 def refuse_ignored_keys(cfg: TrainConfig, given: list[str]) -> None:
@@ -537,10 +662,17 @@ def refuse_ignored_keys(cfg: TrainConfig, given: list[str]) -> None:
     given keys count: a saved config.yaml holds every key, at its default where not given."""
     values = flatten(to_dict(cfg))
     for key in dict.fromkeys(ALIASES.get(key, key) for key in given):
-        if not acts(key, values):
-            needs, value = ACTS_ONLY_WITH[key]
-            raise ConfigError(f"{key}={values[key]} is ignored with {needs}={values[needs]}: it applies "
-                              f"only with {needs}={value}; add {needs}={value}, or drop {key}")
+        for needs, value in _needs(key):
+            if values.get(needs) == value:
+                continue
+            shown = _shown(values[key]) if isinstance(values[key], list) else values[key]
+            if needs == "algorithm":
+                raise ConfigError(f"{key}={shown} is ignored with algorithm={values[needs]} (method={cfg.method}): "
+                                  f"the data-parallel baseline has no merge and no outer step; drop {key}, or "
+                                  "choose a DiLoCo method (e.g. method=diloco)")
+            method = " (method=sparseloco sets it)" if (needs, value) == ("outer.transport", "sparseloco") else ""
+            raise ConfigError(f"{key}={shown} is ignored with {needs}={values[needs]}: it applies "
+                              f"only with {needs}={value}; add {needs}={value}{method}, or drop {key}")
 
 
 #: Keys whose default changed the numerics after runs were saved: a config.yaml written before
@@ -548,11 +680,26 @@ def refuse_ignored_keys(cfg: TrainConfig, given: list[str]) -> None:
 BEFORE_KEY = {"inner.kernel": "foreach"}
 
 
+def predated(values: dict[str, Any]) -> dict[str, Any]:
+    """The `BEFORE_KEY` values of a saved config that predates them: `values` (dotted keys)
+    lacks the key but holds every other key of its section, as a config.yaml written by
+    `to_dict` before the key existed does (a hand-written file or a preset names only some)."""
+    keys = [key.name for key in list_keys()]
+    found = {}
+    for key, value in BEFORE_KEY.items():
+        section = key.rsplit(".", 1)[0] + "."
+        siblings = [k for k in keys if k.startswith(section) and k != key]
+        if key not in values and all(k in values for k in siblings):
+            found[key] = value
+    return found
+
+
 def from_dict(tree: dict[str, Any]) -> TrainConfig:
     """Rebuild a config saved with `to_dict` (e.g. a run's config.yaml), validated; a key it
-    predates takes the value its run used (`BEFORE_KEY`), so it retrains bit for bit."""
+    predates takes the value its run used (`predated`), so it retrains bit for bit."""
     cfg = TrainConfig()
-    apply_values(cfg, {**BEFORE_KEY, **flatten(tree)})
+    values = flatten(tree)
+    apply_values(cfg, {**values, **predated(values)})
     cfg.validate()
     return cfg
 

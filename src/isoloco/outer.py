@@ -68,8 +68,8 @@ class OuterConfig:
     sparse_tile: int = option(64, f"transport=sparseloco: a matrix travels in tiles whose sides are the largest "
                                   f"divisors of its sides at most this, a vector in runs as long; at most "
                                   f"{MAX_TILE} (indices travel as 12 bits)")
-    sparse_topk: int = option(64, "transport=sparseloco: entries sent per tile, rounded down to even, at least 2, "
-                                  "at most the tile's")
+    sparse_topk: int = option(64, "transport=sparseloco: entries sent per tile, an even number in [2, "
+                                  "sparse_tile²] (a tile with fewer entries, e.g. a vector's, is sent whole)")
 
     def validate(self) -> None:
         check_choices("outer", self)
@@ -82,11 +82,28 @@ class OuterConfig:
         check_range("outer.sparse_decay", self.sparse_decay, 0, 1, low_open=False, high_open=False)
         check_range("outer.sparse_tile", self.sparse_tile, 1, MAX_TILE, low_open=False, high_open=False)
         check_positive("outer.sparse_topk", self.sparse_topk)
+        if self.transport == "sparseloco":
+            self._check_sparse_topk()
         if self.optimizer == "nesterov" and self.momentum == 0:
             raise ConfigError(
                 "outer.momentum=0 is not allowed with outer.optimizer=nesterov: Nesterov needs "
                 "momentum > 0; use outer.optimizer=sgd for plain SGD"
             )
+
+    def _check_sparse_topk(self) -> None:
+        """Refuse a k that SparseLoCo would change: it sends an even number of entries per tile,
+        at least 2 and at most a whole tile of sparse_tile × sparse_tile."""
+        k, most = self.sparse_topk, self.sparse_tile ** 2
+        if most < 2:
+            raise ConfigError(f"outer.sparse_tile={self.sparse_tile} is not allowed with outer.transport=sparseloco: "
+                              "a tile of one entry leaves no top-k to choose; use outer.sparse_tile >= 2 (e.g. 64)")
+        if 2 <= k <= most and k % 2 == 0:
+            return
+        runs = min(most, max(2, k - k % 2))
+        raise ConfigError(f"outer.sparse_topk={k} is not allowed with outer.sparse_tile={self.sparse_tile}: SparseLoCo "
+                          f"sends an even number of entries per tile, from 2 to the {most} of a "
+                          f"{self.sparse_tile}×{self.sparse_tile} tile, so it would run as k={runs}; use an even "
+                          f"outer.sparse_topk in [2, {most}] (e.g. outer.sparse_topk={min(64, most - most % 2)})")
 
     @property
     def effective_momentum(self) -> float:

@@ -3,6 +3,8 @@
 Mid-round state (workers part-way through their inner steps) is not checkpointed, so the
 first signal asks the loop to stop at the next synchronisation, where a checkpoint is
 complete; a second signal stops at once (losing only the work since the last checkpoint).
+Before the loop starts (a run's start-up) there is no round to finish: `StopAtOnce` makes
+SIGTERM stop at once there, as Ctrl-C does, so that the command can say so.
 """
 
 from __future__ import annotations
@@ -45,3 +47,38 @@ class GracefulStop:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal acted on at once (`StopAtOnce`), as Ctrl-C's KeyboardInterrupt is."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+class StopAtOnce:
+    """Until `restore` (or the end of a `with` block): SIGTERM raises `Interrupted` in the main
+    thread, where its default would end the process without a word. A `GracefulStop` made
+    meanwhile takes over, and gives it back when restored."""
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    @staticmethod
+    def _handle(signum: int, _frame) -> None:
+        raise Interrupted(signum)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def __enter__(self) -> "StopAtOnce":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import math
 import os
+import signal
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -358,6 +359,7 @@ class Trainer:
                         disable=not (self.progress and logs.interactive()),
                         unit="step" if workers == 1 else "worker-step", dynamic_ncols=True)
         stop = GracefulStop()
+        signum = 0
         try:
             while self.step < cfg.train_steps:
                 start = self.step
@@ -386,6 +388,10 @@ class Trainer:
             self.algorithm.close()
             self.bar.close()
             log.close()
+        signum = signum or stop.signum or 0
+        if signum:  # in the last round, or after it: there was no round left to stop before
+            logger.log(logs.NOTICE, "%s arrived during the last round: the run finished it and wrote its final "
+                       "checkpoint, so it is complete (nothing to resume)", signal.Signals(signum).name)
         return self.summary()
 
     def _timed_round(self, start: int, end: int) -> tuple[list[float], float]:

@@ -8,6 +8,7 @@ their messages name the flags a torchtitan user typed (`--isoloco.lr`), not isol
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 
 from isoloco.errors import ConfigError
@@ -93,3 +94,75 @@ def _in_flags(message: str) -> str:
     for key in sorted(_KEYS, key=len, reverse=True):
         message = message.replace(key, flag(_KEYS[key]))
     return message
+
+
+def check_fault_tolerance(enable: bool, semi_sync_method: str) -> None:
+    """Raise `ConfigError` for torchtitan's fault-tolerance settings the recipe cannot run with."""
+    if not enable:
+        raise ConfigError("--fault-tolerance.enable=False is not allowed: isoloco's outer step runs inside torchft's "
+                          "DiLoCo; set --fault-tolerance.enable (and a lighthouse: TORCHFT_LIGHTHOUSE)")
+    if semi_sync_method != "diloco":
+        raise ConfigError(f"--fault-tolerance.semi-sync-method={semi_sync_method} is not allowed: isoloco's outer "
+                          "step is DiLoCo's; set --fault-tolerance.semi-sync-method diloco")
+
+
+def check_flags(argv: list[str]) -> None:
+    """Raise `ConfigError` for a setting the recipe refuses, read from torchtitan's command line
+    `argv` before torchtitan is imported (seconds, and on a machine without CUDA an import
+    error): the ``--isoloco.*`` flags on their defaults, and the fault-tolerance flags given.
+    What it cannot read (a value tyro will refuse itself) it leaves to torchtitan, which runs
+    the same checks again on the parsed config (`isoloco.torchtitan.trainer.check_recipe`)."""
+    given = _flags(argv)
+    types = typing.get_type_hints(OuterSettings)
+    values = {}
+    for name, raw in given.items():
+        section, _, key = name.partition(".")
+        if section != SECTION:
+            continue
+        negated = key.startswith("no_") and types.get(key[3:]) is bool
+        key = key[3:] if negated else key
+        if key not in types:
+            return  # an unknown flag: tyro says so
+        value = _typed(types[key], raw, negated)
+        if value is None:
+            return
+        values[key] = value
+    enable = _typed(bool, given.get("fault_tolerance.enable", []), False)
+    if given.get("fault_tolerance.no_enable") is not None:
+        enable = False
+    method = given.get("fault_tolerance.semi_sync_method")
+    check_fault_tolerance(True if enable is None else enable, method[0] if method else "diloco")
+    OuterSettings(**values).validate()
+
+
+def _flags(argv: list[str]) -> dict[str, list[str]]:
+    """`--name value ...` and `--name=value` items of `argv`, by name with `-` read as `_` (tyro
+    takes both), each with the words that follow it up to the next flag."""
+    flags: dict[str, list[str]] = {}
+    name = None
+    for word in argv:
+        if word.startswith("--"):
+            name, sep, value = word[2:].partition("=")
+            name = name.replace("-", "_")
+            flags[name] = [value] if sep else []
+        elif name is not None:
+            flags[name].append(word)
+    return flags
+
+
+def _typed(tp, words: list[str], negated: bool):
+    """A flag's words as a value of type `tp`, or None where they are not one (tyro will say so)."""
+    if tp is bool:
+        if not words:
+            return not negated
+        if len(words) == 1 and words[0].lower() in ("true", "false"):
+            return (words[0].lower() == "true") != negated
+        return None
+    if typing.get_origin(tp) is list:
+        return [item for word in words for item in word.split(",") if item]
+    if len(words) != 1:
+        return None
+    try:
+        return tp(words[0])
+    except ValueError:
+        return None

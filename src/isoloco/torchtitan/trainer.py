@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from torchtitan.experiments.torchft import trainer as torchft_trainer
 from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
 
-from isoloco.errors import ConfigError
 from isoloco.torchtitan import internals
 from isoloco.torchtitan.diloco import semi_sync_training
-from isoloco.torchtitan.settings import OuterSettings
+from isoloco.torchtitan.settings import OuterSettings, check_fault_tolerance
 
 
 class IsoLoCoTrainer(FaultTolerantTrainer):
@@ -43,10 +42,5 @@ def check_recipe(config: IsoLoCoTrainer.Config) -> None:
     """Raise `ConfigError`, naming the flag, for a setting the recipe cannot train as asked."""
     internals.check_version()
     ft = config.fault_tolerance
-    if not ft.enable:
-        raise ConfigError("--fault-tolerance.enable=False is not allowed: isoloco's outer step runs inside torchft's "
-                          "DiLoCo; set --fault-tolerance.enable (and a lighthouse: TORCHFT_LIGHTHOUSE)")
-    if ft.semi_sync_method != "diloco":
-        raise ConfigError(f"--fault-tolerance.semi-sync-method={ft.semi_sync_method} is not allowed: isoloco's outer "
-                          "step is DiLoCo's; set --fault-tolerance.semi-sync-method diloco")
+    check_fault_tolerance(ft.enable, ft.semi_sync_method)
     config.isoloco.validate()
