@@ -244,3 +244,10 @@ def test_goodput_sends_what_its_runs_write_to_its_log_file(tmp_path):
     shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert (shown.stdout, shown.stderr) == ("before\nafter\n", "")
     assert log.read_text() == "from python\nto stderr\nfrom a child\n"
+
+
+def test_seconds_per_token_of_dp_and_many_workers_on_either_kernel():
+    cases = [throughput.ScaleCase("dp", 1), throughput.ScaleCase("diloco", 8),
+             throughput.ScaleCase("diloco", 8, kernel="foreach")]
+    seconds = throughput.seconds_per_token(cases, global_batch=8, seq_len=16, h=2, repeats=1, device="cpu", **DATA)
+    assert list(seconds) == cases and all(positive_finite(value) for value in seconds.values())

@@ -22,6 +22,7 @@ TABLES = {
     "ortho": ortho.tables,
     "outer": outer.tables,
     "throughput": throughput.tables,
+    "workers": throughput.scale_tables,
     "comm": comm.tables,
     "memory": memory.tables,
     "scale": scale.tables,

@@ -1,5 +1,6 @@
 """Simulator throughput: tokens/s of DiLoCo with R simulated workers over tokens/s of a
-plain PyTorch training loop on the same model and micro-batch.
+plain PyTorch training loop on the same model and micro-batch; and the simulator's cost at
+many workers against data-parallel training on the same global batch.
 
 The plain loop is the simplest loop on the simulator's own model and data: read the batch,
 forward, cross-entropy, backward, clip, AdamW (foreach), zero the gradients, with the
@@ -12,6 +13,7 @@ alternate, and the ratio of their median times is reported.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -25,6 +27,8 @@ from isoloco.trainer import Trainer
 
 #: The aim: the simulator may cost at most 5% over the plain loop at R = 8.
 AIM = 0.95
+#: The aims at many workers: CPU seconds per token at most this multiple of dp's, by R.
+SCALE_AIMS = {16: 1.1, 128: 1.3}
 
 
 @dataclass(frozen=True)
@@ -92,4 +96,67 @@ def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
     table.notes.append(f"Method {QUICK[0].method} (mean merge, Nesterov outer step), device {device}; median of "
                        f"{repeats} interleaved repeats, each one simulator round and R·H plain steps on the "
                        "same tokens. The aim (≥ 0.95) is for R = 8.")
+    yield table
+
+
+@dataclass(frozen=True)
+class ScaleCase:
+    """One run of the many-workers table: a method at R, with AdamW's kernel and a micro-batch."""
+    method: str
+    workers: int
+    kernel: str = "fused"
+    micro_batch: int = 0
+
+    @property
+    def label(self) -> str:
+        micro = f", micro-batch {self.micro_batch}" if self.micro_batch else ""
+        return f"{self.method}{micro}"
+
+
+#: dp twice (its whole batch at once, as the grids run it, and in micro-batches of 16, its
+#: cheapest on a CPU), DiLoCo at R = 1, 16 and 128, and R = 128 on the foreach kernel of before.
+SCALE_CASES = [ScaleCase("dp", 1), ScaleCase("dp", 1, micro_batch=16), ScaleCase("diloco", 1),
+               ScaleCase("diloco", 16), ScaleCase("diloco", 128), ScaleCase("diloco", 128, kernel="foreach")]
+
+
+def seconds_per_token(cases: list[ScaleCase], global_batch: int, seq_len: int, h: int, repeats: int, device: str,
+                      **overrides) -> dict[ScaleCase, float]:
+    """CPU seconds per token of each case on `tiny`: one round of H steps per repeat, every case
+    in turns, timed on this process's CPU clock. `overrides` go to every run config."""
+    trainers = {case: simulator("tiny", case.method, case.workers, global_batch, seq_len, h, steps=h * (repeats + 2),
+                                device=device, micro_batch=case.micro_batch, **{"inner.kernel": case.kernel},
+                                **overrides)
+                for case in cases}
+    starts = {case: itertools.count(0, h) for case in cases}
+
+    def one_round(case: ScaleCase) -> Callable[[], None]:
+        def run() -> None:
+            start = next(starts[case])
+            trainers[case].train_round(start, start + h)
+        return run
+
+    timings = interleaved({case: one_round(case) for case in cases}, repeats, clock=time.process_time)
+    return {case: timing.median / (h * global_batch * seq_len) for case, timing in timings.items()}
+
+
+def scale_tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
+    """CPU seconds per token of DiLoCo at R = 1, 16 and 128 ÷ dp's, on `tiny` with a global batch
+    of 128 × 64 tokens (one sequence per worker at R = 128)."""
+    global_batch, seq_len, h = 128, 64, 3 if quick else 10
+    per_token = seconds_per_token(SCALE_CASES, global_batch, seq_len, h, repeats, device)
+    whole, micro = per_token[SCALE_CASES[0]], per_token[SCALE_CASES[1]]
+    table = Table("Simulator cost at many workers: CPU seconds per token ÷ dp's, tiny, global batch 128 × 64",
+                  ["method", "R", "AdamW kernel", "CPU µs per token", "÷ dp (whole batch)",
+                   "÷ dp (micro-batch 16)", "aim (÷ dp, whole batch)"])
+    for case in SCALE_CASES:
+        aim = SCALE_AIMS.get(case.workers) if case.method != "dp" and case.kernel == "fused" else None
+        verdict = "" if aim is None else f"≤ {aim}: {'yes' if per_token[case] / whole <= aim else '**no**'}"
+        table.add(case.label, case.workers if case.method != "dp" else "–", case.kernel,
+                  f"{per_token[case] * 1e6:.1f}", ratio(per_token[case] / whole), ratio(per_token[case] / micro),
+                  verdict)
+    table.notes.append(f"Device {device}; one round of H = {h} steps per case and repeat, median of {repeats} "
+                       "interleaved repeats after one untimed round, on the process's CPU clock. dp (whole batch) "
+                       "computes its 128 sequences at once, as the grids run it; in micro-batches of 16 it is cheaper "
+                       "on a CPU, and the last column holds the simulator against that. The last row is R = 128 on "
+                       "AdamW's foreach kernel, which runs made before `inner.kernel` use.")
     yield table

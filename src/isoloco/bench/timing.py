@@ -27,9 +27,11 @@ class Timing:
     samples: tuple[float, ...] = ()
 
 
-def interleaved(cases: Mapping[Hashable, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[Hashable, Timing]:
+def interleaved(cases: Mapping[Hashable, Callable[[], Any]], repeats: int, warmup: int = 1,
+                clock: Callable[[], float] = time.perf_counter) -> dict[Hashable, Timing]:
     """Time every case `repeats` times, in turns (forwards, then backwards, ...), after
-    `warmup` untimed rounds.
+    `warmup` untimed rounds, on `clock` (wall seconds by default; `time.process_time` counts
+    this process's CPU seconds, which another process on the machine does not add to).
 
     The warm-up absorbs first-call costs (allocations, kernel selection, lazy optimizer
     state) that a steady-state figure should not include. CUDA work is asynchronous, so the
@@ -46,10 +48,10 @@ def interleaved(cases: Mapping[Hashable, Callable[[], Any]], repeats: int, warmu
         order = list(cases.items())
         for name, fn in order if repeat % 2 == 0 else reversed(order):
             synchronize()
-            began = time.perf_counter()
+            began = clock()
             results[name] = fn()
             synchronize()
-            samples[name].append(time.perf_counter() - began)
+            samples[name].append(clock() - began)
     return {name: Timing(statistics.median(samples[name]), results[name], tuple(samples[name])) for name in cases}
 
 
