@@ -8,7 +8,7 @@ Selection on seed 0, evaluation on seeds 1-3 (`isoloco.tuned`):
   edge); dp's seeds 1-3 run at the choice. DiLoCo's and IsoLoCo's workers keep the preset's
   inner lr (repro-cpu's), as the paper keeps one inner lr for every R.
 - DiLoCo's and IsoLoCo's outer step (Nesterov momentum x lr) is searched at R = 16 and at
-  R = 128. Each R is evaluated at the choice of the searched R nearest on a log scale: R <= 32
+  R = 128, the lr ladder past an edge, then the momentum past an edge (`MOMENTA`) at the best lr. Each R is evaluated at the choice of the searched R nearest on a log scale: R <= 32
   at R = 16's, R >= 64 at R = 128's.
 
 Layout under DIR: `select/<search>-<step>/` (one seed-0 run each), `dp/`, `<method>-R<R>/` (seeds
@@ -30,6 +30,9 @@ METHODS = ("diloco", "isoloco")
 SEARCHED = (16, 128)
 WORKERS = (1, 2, 4, 8, 16, 32, 64, 128)
 EVAL_SEEDS = "1,2,3"
+#: Nesterov momenta tried past the grid's (0.3, 0.6) where the best sits at its edge: the
+#: paper's DiLoCo runs at 0.9.
+MOMENTA = (0.1, 0.3, 0.6, 0.8, 0.9)
 INNER_LRS = (0.008, 0.016, 0.032)
 INNER_LADDER = (0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128)
 
@@ -40,8 +43,9 @@ def nearest_searched(workers: int) -> int:
 
 
 def plan(out: Path) -> tuple[list[Task], list[Search]]:
-    """Every task in the order they start: the searches first (dp's, then R = 16's, then
-    R = 128's), then the evaluations, dp's and the small R first."""
+    """Every task in the order they start: dp's search and R = 16's, then the evaluations that
+    rest on them (dp's, R <= 32), then R = 128's search and the evaluations at R >= 64, so that the
+    grid's first half is whole before its second begins."""
     select = out / "select"
     inner = Search(select, "inner", "dp", 1, "", PRESET, render=lambda lr, _: f"inner.lr={lr}",
                    label=lambda lr, _: f"lr{lr}", ladder=INNER_LADDER)
@@ -50,15 +54,17 @@ def plan(out: Path) -> tuple[list[Task], list[Search]]:
     outer = {}
     for workers in SEARCHED:
         for method in METHODS:
-            search = outer[method, workers] = Search(select, "", method, workers, "", PRESET)
+            search = outer[method, workers] = Search(select, "", method, workers, "", PRESET, momenta=MOMENTA)
             for step in NESTEROV_STEPS:
                 search.add(step)
-    tasks = [*inner.grid, *(t for search in outer.values() for t in search.grid),
-             Task(out / "dp", "dp", 1, EVAL_SEEDS, "", PRESET, search=inner)]
-    for workers in WORKERS:
-        for method in METHODS:
-            tasks.append(Task(out / f"{method}-R{workers}", method, workers, EVAL_SEEDS, "", PRESET,
-                              search=outer[method, nearest_searched(workers)]))
+    tasks = [*inner.grid]
+    for searched in SEARCHED:
+        tasks += [task for method in METHODS for task in outer[method, searched].grid]
+        if searched == SEARCHED[0]:
+            tasks.append(Task(out / "dp", "dp", 1, EVAL_SEEDS, "", PRESET, search=inner))
+        tasks += [Task(out / f"{method}-R{workers}", method, workers, EVAL_SEEDS, "", PRESET,
+                       search=outer[method, searched])
+                  for workers in WORKERS if nearest_searched(workers) == searched for method in METHODS]
     return tasks, [inner, *outer.values()]
 
 

@@ -25,6 +25,27 @@ def test_the_ladder_goes_on_while_the_edge_keeps_winning_and_stops_at_its_end(tm
     assert search.complete()
 
 
+def test_momentum_goes_past_its_edge_at_the_best_lr_only_when_asked(tmp_path):
+    """A loss that falls with momentum up to 0.8 and is least at lr 1.0: the grid's best is
+    (1.0, 0.6), at the momentum edge; with `momenta` the search tries 0.8 at lr 1.0, then the lrs
+    beside 1.0 at 0.8 (its only lr there is an edge), then 0.9, and stops at (1.0, 0.8). Without,
+    it stops at (1.0, 0.6)."""
+    def loss(lr, mu):
+        return 5.0 + abs(lr - 1.0) + abs(mu - 0.8)
+
+    for momenta, expected in (((0.3, 0.6, 0.8, 0.9), [(1.0, 0.8), (0.7, 0.8), (1.5, 0.8), (1.0, 0.9)]), ((), [])):
+        search = tuned.Search(tmp_path / str(len(momenta)), "", "isoloco", 16, "", "repro-cpu-r128",
+                              momenta=momenta)
+        for step in tuned.NESTEROV_STEPS:
+            _finish(search.add(step), loss(*step))
+        seen = []
+        while (step := search.beyond()) is not None:
+            seen.append(step)
+            _finish(search.add(step), loss(*step))
+        assert seen == expected and search.complete()
+        assert search.chosen().step == ((1.0, 0.8) if momenta else (1.0, 0.6))
+
+
 def test_a_run_another_process_holds_counts_as_running_elsewhere(tmp_path):
     task = tuned.Task(tmp_path / "isoloco-lowrank4-R8", "isoloco", 8, "1,2,3", "", "repro-cpu")
     assert not task.elsewhere()

@@ -3,7 +3,8 @@
 A `Search` trains seed 0 of one setting (method, R, overrides) at every outer step of a grid
 and keeps the lowest final validation loss (a tie keeps the earlier point; a diverged run counts
 as the worst). Where the best lr is the smallest or largest tried at its momentum, the next lr
-of `LR_LADDER` beyond it is tried as well, until the best lies inside the range tried. A `Task`
+of `LR_LADDER` beyond it is tried as well, until the best lies inside the range tried (and, for a
+search given `momenta`, the same for the momentum at the best lr). A `Task`
 is one `isoloco sweep` call: a seed-0 grid point, or the evaluation seeds at a search's choice,
 which waits until the search is complete. `drive` starts the tasks a few at a time, resumably:
 finished runs are skipped, a run another process holds counts as running, and the file
@@ -112,6 +113,8 @@ class Search:
     label: Callable[[float, float], str] = step_name
     #: the lrs tried beyond an edge
     ladder: tuple[float, ...] = LR_LADDER
+    #: the momenta tried beyond an edge, at the best lr (none: the grid's momenta are the range)
+    momenta: tuple[float, ...] = ()
     #: earlier searches whose choices every point of this one takes
     needs: tuple[Search, ...] = ()
 
@@ -131,21 +134,33 @@ class Search:
 
     def beyond(self) -> tuple[float, float] | None:
         """The step to try next, once every point so far finished: the ladder's next lr past the
-        best one where the best is the smallest or largest lr tried at its momentum."""
+        best one where the best is the smallest or largest lr tried at its momentum; then the
+        next of `momenta` past the best momentum where it is the smallest or largest tried at
+        its lr."""
         if not self.grid or not all(t.done() for t in self.grid):
             return None
         lr, mu = self.chosen().step
-        tried = sorted(step[0] for step in (t.step for t in self.grid) if step[1] == mu)
-        lower = [v for v in self.ladder if v < tried[0]]
-        higher = [v for v in self.ladder if v > tried[-1]]
-        if lr == tried[0] and lower:
-            return lower[-1], mu
-        if lr == tried[-1] and higher:
-            return higher[0], mu
-        return None
+        steps = [t.step for t in self.grid]
+        past_lr = _past_edge(lr, sorted(step[0] for step in steps if step[1] == mu), self.ladder)
+        if past_lr is not None:
+            return past_lr, mu
+        past_mu = _past_edge(mu, sorted(step[1] for step in steps if step[0] == lr), self.momenta)
+        return None if past_mu is None else (lr, past_mu)
 
     def complete(self) -> bool:
         return all(t.done() for t in self.grid) and self.beyond() is None
+
+
+def _past_edge(best: float, tried: list[float], ladder: tuple[float, ...]) -> float | None:
+    """The value of `ladder` just past `best` where `best` is the smallest or largest of `tried`
+    (sorted), None where it lies inside or the ladder ends."""
+    lower = [v for v in ladder if v < tried[0]]
+    higher = [v for v in ladder if v > tried[-1]]
+    if best == tried[0] and lower:
+        return lower[-1]
+    if best == tried[-1] and higher:
+        return higher[0]
+    return None
 
 
 def extend(tasks: list[Task], searches: list[Search]) -> None:
