@@ -43,17 +43,28 @@ def _round_losses(tmp_path: Path, tree: dict) -> list[float]:
     return torch.stack(worker_losses).mean(dim=0).tolist()
 
 
+#: The CPU capability (`torch.backends.cpu.get_cpu_capability()`) the committed grids ran on: there
+#: a committed run retrains bit for bit. Elsewhere torch's kernels for other vector instructions
+#: move the last bits by themselves (on AVX2, both kernels land up to 3e-5 from the logged losses).
+COMMITTED_CAPABILITY = "AVX512"
+
+
 def test_a_committed_run_retrains_its_first_round_bit_for_bit(tmp_path):
-    """The committed run's config.yaml predates inner.kernel: its first round's logged losses come
-    back exactly; the fused kernel moves them (so the comparison can tell the kernels apart)."""
+    """The committed run's config.yaml predates inner.kernel: on the CPU it ran on, its first
+    round's logged losses come back exactly and the fused kernel moves them (so the comparison
+    can tell the kernels apart); on another CPU both come back within float32 noise."""
     saved = yaml.safe_load((COMMITTED / "config.yaml").read_text())
     lines = [json.loads(line) for line in (COMMITTED / "metrics.jsonl").read_text().splitlines()]
     logged = [line["train_loss"] for line in lines if line.get("round") == 0 and "train_loss" in line]
     assert len(logged) == saved["inner_steps"]
-    assert _round_losses(tmp_path, saved) == logged
+    retrained = _round_losses(tmp_path, saved)
     saved["inner"]["kernel"] = "fused"
     fused = _round_losses(tmp_path, saved)
-    assert fused != logged and max(abs(a - b) for a, b in zip(fused, logged)) < 1e-4
+    if torch.backends.cpu.get_cpu_capability() == COMMITTED_CAPABILITY:
+        assert retrained == logged
+        assert fused != logged
+    for losses in (retrained, fused):
+        assert max(abs(a - b) for a, b in zip(losses, logged)) < 1e-4
 
 
 def test_a_committed_config_yaml_given_as_a_file_trains_with_its_kernel_and_a_partial_file_with_the_default(tmp_path):

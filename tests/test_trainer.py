@@ -102,7 +102,8 @@ def overlap_by_hand(tmp_path: Path, tau: int, alpha: float, rounds: int = 3, inn
     same model and batches: each round after the first starts from the worker's own weights,
     and before its step τ they become (1 − α)·θ + α·w; θ ← θ − (θ − w) after every round."""
     steps = rounds * inner_steps
-    cfg = resolve(None, {**SMALL, "method": "dp", "steps": steps, "eval_every": steps, **PLAIN_SGD})
+    inner_sgd = {key: value for key, value in PLAIN_SGD.items() if key.startswith("inner.")}  # dp has no outer step
+    cfg = resolve(None, {**SMALL, "method": "dp", "steps": steps, "eval_every": steps, **inner_sgd})
     model = Trainer(cfg, tmp_path / "by-hand", progress=False)
     w = model.params
     theta = [p.detach().clone() for p in w]

@@ -70,6 +70,17 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def hardware(device: torch.device) -> dict[str, str]:
+    """What a run computed on, for its summary: the kernels torch picks from it (the CPU's
+    vector instructions, the GPU) move a result's last bits, so a committed run retrains bit for
+    bit only on hardware that reports the same."""
+    found = {"device": device.type, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+             "torch": torch.__version__}
+    if device.type == "cuda":
+        found["gpu"] = torch.cuda.get_device_name(device)
+    return found
+
+
 def load_run_data(cfg: TrainConfig) -> tuple[TokenData, str | None]:
     """The run's data, checked for every problem at once (one DataError, a line each), and the
     notice of a run that repeats it, if it does."""
@@ -478,4 +489,5 @@ class Trainer:
             **above,
             **({SECONDS_KEY: self.spectra.seconds} if self.spectra is not None else {}),
             **({FINDER_DTYPE_KEY: self.finder_dtype} if self.finder_dtype else {}),
+            "hardware": hardware(self.device),
         }

@@ -141,11 +141,16 @@ def seconds_per_token(cases: list[ScaleCase], global_batch: int, seq_len: int, h
 
 def scale_tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
     """CPU seconds per token of DiLoCo at R = 1, 16 and 128 ÷ dp's, on `tiny` with a global batch
-    of 128 × 64 tokens (one sequence per worker at R = 128)."""
-    global_batch, seq_len, h = 128, 64, 3 if quick else 10
+    of 128 sequences (one per worker at R = 128), of 64 tokens and of the R-to-128 preset's 32."""
+    for seq_len in (64, 32):
+        yield scale_table(128, seq_len, 3 if quick else 10, repeats, device)
+
+
+def scale_table(global_batch: int, seq_len: int, h: int, repeats: int, device: str) -> Table:
     per_token = seconds_per_token(SCALE_CASES, global_batch, seq_len, h, repeats, device)
     whole, micro = per_token[SCALE_CASES[0]], per_token[SCALE_CASES[1]]
-    table = Table("Simulator cost at many workers: CPU seconds per token ÷ dp's, tiny, global batch 128 × 64",
+    table = Table(f"Simulator cost at many workers: CPU seconds per token ÷ dp's, tiny, global batch "
+                  f"{global_batch} × {seq_len}",
                   ["method", "R", "AdamW kernel", "CPU µs per token", "÷ dp (whole batch)",
                    "÷ dp (micro-batch 16)", "aim (÷ dp, whole batch)"])
     for case in SCALE_CASES:
@@ -156,7 +161,7 @@ def scale_tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
                   verdict)
     table.notes.append(f"Device {device}; one round of H = {h} steps per case and repeat, median of {repeats} "
                        "interleaved repeats after one untimed round, on the process's CPU clock. dp (whole batch) "
-                       "computes its 128 sequences at once, as the grids run it; in micro-batches of 16 it is cheaper "
-                       "on a CPU, and the last column holds the simulator against that. The last row is R = 128 on "
-                       "AdamW's foreach kernel, which runs made before `inner.kernel` use.")
-    yield table
+                       "computes its 128 sequences at once; in micro-batches of 16 (as the R-to-128 preset runs it) "
+                       "it is cheaper on a CPU, and the column beside holds the simulator against that. The last "
+                       "row is R = 128 on AdamW's foreach kernel, which runs made before `inner.kernel` use.")
+    return table
