@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from isoloco import checkpoint as ckpt
-from isoloco.comm import Communicator
+from isoloco.comm import Communicator, nbytes
+from isoloco.sync.cost import wire_bytes
 from isoloco.sync.handles import Pending
 
 #: Where device-agnostic training tests run (see conftest.py).
@@ -152,13 +153,20 @@ class ThreadCommunicator(Communicator):
     def _peers(self) -> list[int]:
         return [island * self.slices + self.rank % self.slices for island in range(self.islands)]
 
+    def _cross(self, kind: str, size: int, handed: int) -> None:
+        """Count a collective across islands as `isoloco.torch_comm` measures it: the bytes
+        it puts on the link for this process by the cost model."""
+        self.record("cross_island", handed, wire_bytes(kind, size, self.islands))
+
     def exchange(self, send: torch.Tensor, send_sizes: list[int], receive_sizes: list[int]) -> Pending:
+        self._cross("all_to_all", nbytes(send) - send_sizes[self.island] * send.element_size(), nbytes(send))
         everyone = self.group.exchange(self.rank, list(torch.split(send, send_sizes)))
         received = [everyone[peer][self.island].clone() for peer in self._peers()]
         assert [r.numel() for r in received] == receive_sizes
         return Pending.done(received)
 
     def gather_peers(self, blob: torch.Tensor) -> Pending:
+        self._cross("all_gather", nbytes(blob), nbytes(blob))
         everyone = self.group.exchange(self.rank, blob)
         return Pending.done([everyone[peer].clone() for peer in self._peers()])
 

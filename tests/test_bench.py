@@ -41,6 +41,18 @@ def test_merge_seconds_are_per_repeat_rounds_of_every_rule():
     assert not any(paths[rule] for rule in ("mean", "dare", "ties", "iso_c"))
 
 
+def test_the_merge_scale_table_times_every_compressed_merge_at_every_r(monkeypatch):
+    from isoloco.bench import merge_scale
+
+    seconds = merge_scale.merge_scale_seconds(merge_scale.CASES["int8 + error feedback"], (2, 4), tensors=2,
+                                              shape=(8, 8), repeats=1)
+    assert list(seconds) == [2, 4] and all(positive_finite(s) for s in seconds.values())
+    monkeypatch.setattr(merge_scale, "merge_scale_seconds", lambda keys, workers, *rest: {2: 0.5, 4: 0.75, 8: 2.0})
+    table = merge_scale.merge_scale_table((2, 4, 8), tensors=2, shape=(8, 8), repeats=1)
+    assert table.columns == ["merge", "R = 2", "R = 4", "R = 8", "4 / 2", "8 / 2"]
+    assert table.rows == [[name, "0.500 s", "0.750 s", "2.000 s", "1.5×", "4×"] for name in merge_scale.CASES]
+
+
 def test_the_factors_table_times_both_settings_and_names_autos_paths():
     """Every worker's factors are counted once per merge under the path auto took, and both
     settings stay near the float64 definition (exact to float32 rounding)."""

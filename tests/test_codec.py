@@ -169,6 +169,37 @@ def test_quantisation_is_deterministic_and_a_shard_quantises_as_part_of_the_whol
         assert torch.equal(part, whole[start:stop])
 
 
+def _codes_by_loop(payload: torch.Tensor, numel: int) -> list[int]:
+    """The int4 codes of a packed payload, read nibble by nibble (entry 2i low, 2i+1 high)."""
+    nibbles = [nibble for byte in payload.tolist() for nibble in (byte & 0x0F, byte >> 4)]
+    return [nibble - 8 for nibble in nibbles[:numel]]
+
+
+def _packed_by_loop(codes: list[int]) -> list[int]:
+    """`codes` packed two per byte, low nibble first, an odd count padded with the zero code's nibble."""
+    nibbles = [code + 8 for code in codes] + [8] * (len(codes) % 2)
+    return [nibbles[i] | (nibbles[i + 1] << 4) for i in range(0, len(nibbles), 2)]
+
+
+@pytest.mark.parametrize("scales", SCALE_GROUPS)
+def test_an_int4_slice_is_the_wholes_codes_packed_again_at_any_offset(scales):
+    """Groups of 5 entries (blocks of 5, or rows of 5) put group starts at odd and even offsets
+    and slice ends mid-byte: every slice [start, stop) that starts a group carries exactly the
+    whole's codes of those entries, repacked from its first one (the zero nibble after an odd
+    end), with the whole's scales of its groups, and decodes to the whole's entries."""
+    quantization = Quantization("int4", scales, block_size=5)
+    x = _randn(7, 5, seed=11)
+    whole = quantize(x, quantization)
+    codes = _codes_by_loop(whole.payload, x.numel())
+    decoded = dequantize(whole).reshape(-1)
+    for start in range(0, x.numel() + 1, 5):
+        for stop in range(start, x.numel() + 1):
+            part = whole.slice(start, stop)
+            assert part.payload.tolist() == _packed_by_loop(codes[start:stop]), (start, stop)
+            assert part.scales.tolist() == whole.scales[start // 5:-(-stop // 5)].tolist(), (start, stop)
+            assert torch.equal(dequantize(part), decoded[start:stop]), (start, stop)
+
+
 def test_config_is_checked():
     Quantization("int4", "row", 128).check("merge")
     with pytest.raises(ConfigError, match="merge.quantize='int3'"):

@@ -8,7 +8,7 @@ import torch
 from isoloco import merge
 from isoloco.comm import LocalCommunicator
 from isoloco.sync.codec import Quantization, dequantize, error_bound, quantize
-from isoloco.sync.compressed import choose_route, wire_bytes_per_process
+from isoloco.sync.compressed import ChunkPlan, choose_route
 from isoloco.sync.cost import wire_bytes
 from helpers import ProcessGroup, reference_sum, run_threads
 
@@ -148,10 +148,10 @@ def test_wire_bytes_per_process_are_flat_in_the_islands(islands):
     shapes = [torch.Size((1024, 1024)), torch.Size((1024,))]
     entries = sum(s.numel() for s in shapes)
     float32 = wire_bytes("all_reduce", 4 * entries, islands)
-    ratios = {fmt: wire_bytes_per_process(shapes, Quantization(fmt), islands) / float32
+    ratios = {fmt: ChunkPlan.of(shapes, Quantization(fmt), islands, 1).wire_bytes() / float32
               for fmt in ("bf16", "int8", "int4")}
     assert ratios["bf16"] == pytest.approx(0.5, rel=1e-3)
     assert ratios["int8"] == pytest.approx((1 + 4 / 256) / 4, rel=5e-3) and ratios["int8"] <= 0.3
     assert ratios["int4"] == pytest.approx((0.5 + 4 / 256) / 4, rel=5e-3) and ratios["int4"] <= 0.17
     # The old layout (every worker's codes gathered) grows with P; this one does not.
-    assert wire_bytes_per_process(shapes, Quantization("none"), islands) == pytest.approx(float32, rel=1e-3)
+    assert ChunkPlan.of(shapes, Quantization("none"), islands, 1).wire_bytes() == pytest.approx(float32, rel=1e-3)

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from isoloco import checkpoint as ckpt
 from isoloco import rules
-from isoloco.sync.compressed import wire_bytes_per_process
+from isoloco.sync.compressed import ChunkPlan
 from isoloco.bench import comm as bench_comm
 from isoloco.bench.workload import parameter_shapes
 from isoloco.config import DEFAULT_PRESET, TrainConfig, parse_overrides, resolve
@@ -336,7 +336,7 @@ def test_each_process_sends_its_share_of_one_island_copy_across_islands(island_r
     if cfg.merge.quantize == "none":
         cross = sum(sliced(floats, 2) for floats in cross_island_floats(cfg, shapes, workers_per_island=1))
     else:  # the cost model's count of the compressed sum, for 2 islands of 2 processes
-        cross = wire_bytes_per_process(shapes, cfg.merge.quantization, islands=2, slices=2)
+        cross = ChunkPlan.of(shapes, cfg.merge.quantization, islands=2, slices=2).wire_bytes()
     rounds = cfg.steps // cfg.inner_steps
     assert link_bytes(island_runs / case, "cross_island") == [cross] * rounds
     # Two islands: a ring all-reduce puts 2·(2 − 1)/2 of a slice on the wire, an all-gather
@@ -799,7 +799,7 @@ def test_the_compressed_sum_over_many_islands_is_the_reference_and_within_its_bo
                     stated = stated + error_bound(quantize(total, q), total).double()
                 assert ((merged.double() * workers - exact).abs() <= stated + 1e-5).all(), (key, name)
             wire = [dict(zip(LINK_COUNTS, r[key]["counts"].tolist()))["wire_bytes_cross_island"] for r in ranks]
-            predicted = wire_bytes_per_process(shapes, q, islands, gpus)
+            predicted = ChunkPlan.of(shapes, q, islands, gpus).wire_bytes()
             assert sum(wire) / processes == pytest.approx(predicted), key
             float32 = 2 * (islands - 1) / islands * 4 * sum(s.numel() for s in shapes) / gpus
             assert max(wire) <= {"int8": 0.3, "int4": 0.17}[fmt] * float32, key

@@ -205,6 +205,22 @@ def test_ties_zero_entries_neither_agree_nor_count():
     assert torch.equal(merge.ties(deltas, density=1.0), torch.tensor([2.0, 0.0, -2.0, -1.0]))
 
 
+def test_ties_elects_plus_where_nonzero_entries_sum_to_zero():
+    """Where the kept entries cancel exactly (Σ = 0 of nonzero entries), the elected sign is +
+    (peft's "total" method), so the positive entries are averaged; against a plain loop over
+    entries, with integer values so that every sum is exact."""
+    deltas = [torch.tensor([2.0, -1.0, 3.0, 1.0, -4.0, 0.0]),
+              torch.tensor([-2.0, 1.0, -1.0, -1.0, 2.0, 5.0]),
+              torch.tensor([0.0, 0.0, -2.0, 0.0, 2.0, -4.0])]
+    expected = []
+    for entries in zip(*(d.tolist() for d in deltas)):
+        positive = sum(entries) >= 0
+        agreeing = [e for e in entries if (e > 0 if positive else e < 0)]
+        expected.append(sum(agreeing) / len(agreeing) if agreeing else 0.0)
+    assert [sum(entries) for entries in zip(*(d.tolist() for d in deltas))].count(0) == 5  # the case under test
+    assert merge.ties(deltas, density=1.0).tolist() == expected
+
+
 def test_ties_keeps_ties_at_the_threshold():
     delta = torch.tensor([3.0, -1.0, 1.0, 0.5])
     # density 0.5 keeps 2 entries; |-1| and |1| tie for second place, so both stay.

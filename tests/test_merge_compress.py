@@ -17,6 +17,7 @@ from isoloco.errors import ConfigError
 from isoloco.ortho import iso_correct_in_span
 from isoloco.sync.codec import Quantization, dequantize, quantize, shard_ranges
 from isoloco.sync.compressed import choose_route
+from isoloco.sync.handles import run_to_end
 from isoloco.sync.lowrank import initial_factor
 from helpers import ONE_THREAD_ENV, SMALL_ARGS, wait_for
 from test_compressed import island_mergers, run_islands
@@ -78,13 +79,14 @@ def test_lowrank_follows_powersgd_over_rounds(feedback):
             assert (g[name].double() - e).norm() <= 1e-5 * e.norm(), (name, t)
 
 
-def powersgd_codec_loop(rounds: list[list[torch.Tensor]], q: torch.Tensor, quantization: Quantization
-                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def powersgd_codec_loop(rounds: list[list[torch.Tensor]], q: torch.Tensor, quantization: Quantization,
+                        late: list[list[int]] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Algorithm 2 with error feedback for one matrix, each worker an island of its own, with the
     factors crossing the link as the compressed sum sends them: each island's factor through
     the codec and, with P ≥ 3 islands, the sum through it again, what that lost on chunk p of Q'
-    kept by island p as P̂·Oᵀ. Float64 but for the codec's own rounding. Returns the means and
-    the final errors."""
+    kept by island p as P̂·Oᵀ. An island in `late[t]` sends zeros in round t and keeps its
+    error (but for its owned chunk's rounding); the mean is over the others. Float64 but for
+    the codec's own rounding. Returns the means and the final errors."""
     def codec(x: torch.Tensor) -> torch.Tensor:
         return dequantize(quantize(x.float(), quantization)).double()
 
@@ -92,14 +94,17 @@ def powersgd_codec_loop(rounds: list[list[torch.Tensor]], q: torch.Tensor, quant
     exchange = choose_route(islands) == "exchange"
     errors = [torch.zeros_like(rounds[0][0], dtype=torch.float64) for _ in rounds[0]]
     means = []
-    for deltas in rounds:
-        xs = [d.double() + e for d, e in zip(deltas, errors)]
+    for t, deltas in enumerate(rounds):
+        absent = late[t] if late else []
+        xs = [torch.zeros_like(e) if i in absent else d.double() + e
+              for i, (d, e) in enumerate(zip(deltas, errors))]
         p = sum(codec(x @ q) for x in xs)
         basis, _ = torch.linalg.qr(codec(p) if exchange else p)
         sent = [codec(x.T @ basis) for x in xs]
         total = sum(sent)
         q = codec(total) if exchange else total
-        errors = [x - basis @ share.T for x, share in zip(xs, sent)]
+        errors = [e if i in absent else x - basis @ share.T
+                  for i, (x, share, e) in enumerate(zip(xs, sent, errors))]
         if exchange:
             lost = (total - q).reshape(-1)
             group = quantization.group_size(q.shape)
@@ -107,7 +112,7 @@ def powersgd_codec_loop(rounds: list[list[torch.Tensor]], q: torch.Tensor, quant
                 kept = torch.zeros_like(lost)
                 kept[start:stop] = lost[start:stop]
                 errors[owner] = errors[owner] + basis @ kept.view_as(q).T
-        means.append(basis @ q.T / islands)
+        means.append(basis @ q.T / (islands - len(absent)))
     return means, errors
 
 
@@ -126,6 +131,32 @@ def test_lowrank_with_int8_factors_follows_powersgd_with_the_codec(islands):
         if len(shape) == 1:
             continue
         expected, errors = powersgd_codec_loop([d[name] for d in rounds], initial_factor(name, shape, 2, seed=3), q8)
+        for t, (g, e) in enumerate(zip(got, expected)):
+            assert (g[name].double() - e).norm() <= 1e-5 * e.norm(), (name, t)
+        for kept, error in zip(residuals[name], errors):
+            assert (kept.double() - error).norm() <= 1e-4 * error.norm(), name
+
+
+@pytest.mark.parametrize("islands", [2, 3])
+def test_an_island_with_no_arrivals_sends_nothing_and_keeps_its_low_rank_residual(islands):
+    """Low rank with int8 factors and error feedback, islands late in turn, against the float64
+    loop: a late island adds neither its delta nor its residual to either factor sum, its
+    residual stays as it was but for the rounding of the chunk of Q' it owns (P ≥ 3), and the
+    mean is over the islands that arrived."""
+    late = [[], [1], [0], [islands - 1]]
+    cfg = merge.MergeConfig(rule="mean", compress="lowrank", compress_rank=2, quantize="int8", error_feedback=True)
+    m = merger(cfg, islands)
+    rounds = [signal_deltas(islands, seed=t) for t in range(len(late))]
+    residuals = {name: [torch.zeros(shape) for _ in range(islands)] for name, shape in SHAPES.items()}
+    got = []
+    for t, deltas in enumerate(rounds):
+        came = merge.Participation(tuple(w for w in range(islands) if w not in late[t]))
+        got.append(run_to_end(m.start(deltas, t, residuals=residuals, participation=came).steps))
+    for name, shape in SHAPES.items():
+        if len(shape) == 1:
+            continue
+        expected, errors = powersgd_codec_loop([d[name] for d in rounds], initial_factor(name, shape, 2, seed=3),
+                                               Quantization("int8"), late)
         for t, (g, e) in enumerate(zip(got, expected)):
             assert (g[name].double() - e).norm() <= 1e-5 * e.norm(), (name, t)
         for kept, error in zip(residuals[name], errors):

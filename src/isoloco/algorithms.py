@@ -31,7 +31,7 @@ from isoloco.comm import LINK_COUNTS
 from isoloco.config import TrainConfig
 from isoloco.data import Batches
 from isoloco.distributed import Distributed
-from isoloco.errors import ConfigError, NonFiniteDeltaError
+from isoloco.errors import CheckpointError, ConfigError, NonFiniteDeltaError
 from isoloco.inner import InnerOptimizer, pinned_zeros_like
 from isoloco.merge import MergeConfig, Participation, wire_bytes_per_merge
 from isoloco.rules import RULES
@@ -83,12 +83,12 @@ class SlowLinkModel:
     def of(cls, cfg: TrainConfig, names: list[str], shapes: list[torch.Size], islands: int,
            slices: int) -> "SlowLinkModel":
         merge, tiling = cfg.merge, cfg.outer.tiling
-        float32 = wire_bytes_per_merge(shapes, MergeConfig(bucket_mb=merge.bucket_mb), islands) / slices
+        float32 = wire_bytes_per_merge(shapes, MergeConfig(bucket_mb=merge.bucket_mb), islands, slices=slices)
         if tiling is not None:
             return cls(sparseloco.wire_bytes_per_merge(shapes, tiling, islands) / slices, float32)
         if [phase.collective for phase in RULES[merge.rule].phases((256, 256), 2, merge.knobs)] != ["sum"]:
             return cls(None, None)
-        return cls(wire_bytes_per_merge(shapes, merge, islands, names) / slices, float32)
+        return cls(wire_bytes_per_merge(shapes, merge, islands, names, slices), float32)
 
 
 class Algorithm(ABC):
@@ -198,10 +198,14 @@ class DiLoCo(Algorithm):
         self.carries = cfg.faults.late_rate > 0 and cfg.faults.late == "carry"
         # SparseLoCo's accumulators live where error feedback's residuals do (and are checkpointed so).
         self.feedback = cfg.merge.error_feedback or cfg.outer.transport == "sparseloco"
+        # Error feedback's residuals are an island's, read from its first worker only; SparseLoCo
+        # keeps an accumulator per worker.
+        keeps = (range(len(dist.comm.local_worker_ids)) if cfg.outer.transport == "sparseloco"
+                 else self.outer.merger.island_heads if self.feedback else ())
         self.workers = [Worker(w, self.new_optimizer(), self._buffers(),
-                               self._buffers() if self.feedback else [],
+                               self._buffers() if local in keeps else [],
                                self._buffers() if self.carries else [])
-                        for w in dist.comm.local_worker_ids]
+                        for local, w in enumerate(dist.comm.local_worker_ids)]
         self.dropped: list[int] = []  # the workers left out of the last round as diverged
         #: The last round's steps of every worker of the run, by global id, and how many it merged.
         self.worker_steps: list[int] = []
@@ -367,8 +371,8 @@ class DiLoCo(Algorithm):
         """Merge the deltas of the workers that arrived and take the outer step (θ_t → θ_{t+1}), as steps."""
         # Stored deltas (host memory when offloaded) reach the device a parameter at a time.
         deltas = {name: [w.delta[i] for w in self.workers] for i, name in enumerate(self.names)}
-        residuals = ({name: [w.residual[i] for w in self.workers] for i, name in enumerate(self.names)}
-                     if self.feedback else None)
+        residuals = ({name: {local: w.residual[i] for local, w in enumerate(self.workers) if w.residual}
+                      for i, name in enumerate(self.names)} if self.feedback else None)
         step = self.outer.start(deltas, round=round, fetch=self._fetch, participation=participation,
                                 residuals=residuals)
         return Sync(self._after_merge(step.steps), step.stages)
@@ -459,7 +463,7 @@ class DiLoCo(Algorithm):
 
     def worker_tensors(self, worker: Worker) -> dict[str, torch.Tensor]:
         offload.settle()  # residuals copied back to host memory are read by the checkpoint's writer
-        tensors = dict(zip((f"w{worker.index}.residual.{name}" for name in self.names), worker.residual))
+        tensors = dict(zip((_residual_key(worker.index, name) for name in self.names), worker.residual))
         tensors.update(zip((f"w{worker.index}.carry.{name}" for name in self.names), worker.carry))
         if self.in_flight is not None:  # its Δ_r still makes its own weights (`_own_weights`)
             tensors.update(zip((f"w{worker.index}.delta.{name}" for name in self.names), worker.delta))
@@ -483,6 +487,8 @@ class DiLoCo(Algorithm):
 
     def load_checkpoint_files(self, load: Callable[[str], Mapping[str, torch.Tensor]]) -> None:
         self.outer.load_state_dict(load(OUTER_FILE))
+        if self.feedback:
+            self._check_unread_residuals(load(workers_file(self.dist.layout.island)))
         if self.in_flight is not None:
             # Checkpoints follow a synchronisation: with overlap, every worker has yet to land it.
             saved = load(OVERLAP_FILE)
@@ -490,6 +496,28 @@ class DiLoCo(Algorithm):
                 for name, base in zip(self.names, self.in_flight.base):
                     base.copy_(saved[name])
             self.unlanded = {worker.index for worker in self.workers}
+
+    def _check_unread_residuals(self, saved: Mapping[str, torch.Tensor]) -> None:
+        """Checkpoints written while every local worker had a residual hold one for each; only
+        the island heads' were ever read, so the others are zeros and a resume leaves them. A
+        nonzero one is compression error this run would silently lose."""
+        for worker in self.workers:
+            for name in self.names if not worker.residual else ():
+                key = _residual_key(worker.index, name)
+                if key in saved and saved[key].any():
+                    raise CheckpointError(
+                        f"the checkpoint's {key} is not zero, but worker {worker.index} is not its island's first "
+                        f"worker, whose residual is the island's: this checkpoint was not written by isoloco's own "
+                        f"error feedback in this layout")
+
+
+def _residual_key(worker: int, name: str) -> str:
+    return f"w{worker}.residual.{name}"
+
+
+def workers_file(island: int) -> str:
+    """The checkpoint file holding the state of island `island`'s workers."""
+    return f"workers-{island}"
 
 
 def build_algorithm(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Parameter]], dist: Distributed,

@@ -46,13 +46,12 @@ from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.ortho import (FACTOR_METHODS, FINDER_DTYPES, NS_DTYPES, POLAR_METHODS, SCALE_METHODS, FactorSettings,
                            IsoSettings, iso_correct_in_span, spectrum_knob_problem)
 from isoloco.rules import RULES, Knobs, Phase, WorkerSlot, mask_key, mean_phases
-from isoloco.sync.codec import FORMATS, SCALE_GROUPS, Quantization, carry_refusal, wire_nbytes
-from isoloco.sync.compressed import wire_bytes_per_process
+from isoloco.sync.codec import FORMATS, SCALE_GROUPS, Quantization, carry_refusal
 from isoloco.sync.cost import wire_bytes
 from isoloco.sync.handles import Pending, Steps, Sync, lockstep, padded, run_to_end
 from isoloco.sync.islands import CommLink, IslandLink, PlayedIslands
-from isoloco.sync.lowrank import factor_rank, initial_factor
-from isoloco.sync.phase import Compression, Island, island_phase
+from isoloco.sync.lowrank import initial_factor
+from isoloco.sync.phase import Compression, Island, PhasePlan, island_phase
 from isoloco.sync.plan import buckets
 from isoloco.sync.topk import MAX_CHUNK, TopK
 
@@ -206,7 +205,7 @@ class MergeConfig:
     def compression(self) -> Compression:
         """How a sum phase crosses the slow link."""
         return Compression(self.quantization, self.compress, self.topk, self.error_feedback,
-                           tuple(self.compress_exclude))
+                           tuple(self.compress_exclude), self.compress_rank)
 
     @property
     def knobs(self) -> Knobs:
@@ -308,7 +307,7 @@ class _Job:
 
     name: str
     deltas: Sequence[torch.Tensor]  # stored, one per local worker
-    residuals: Sequence[torch.Tensor] | None  # error feedback: stored, one per local worker (updated)
+    residuals: Sequence[torch.Tensor] | None  # error feedback: stored, by local worker; the island heads' (updated)
     phases: list[Phase]
     finalize: Callable[[torch.Tensor], torch.Tensor] | None
     state: Any = None
@@ -357,8 +356,10 @@ class Merger:
         names the synchronisation in errors and keys DARE's masks (None counts as 0).
 
         With `merge.quantize`, a sum crosses the link compressed (`isoloco.sync.compressed`);
-        `residuals` (with `merge.error_feedback`: one per parameter and local worker, like the
-        deltas) hold what earlier compressions lost and are updated in place.
+        `residuals` (with `merge.error_feedback`: per parameter, indexed by local worker like the
+        deltas) hold what earlier compressions lost and are updated in place; only those of
+        `island_heads` are read, so a list of one per local worker or a mapping from the heads'
+        indices both serve.
 
         `participation` says which of the R workers count and their weights (every worker
         alike when None); the deltas of local workers left out are passed too, and not read."""
@@ -402,32 +403,34 @@ class Merger:
     def _compressed(self) -> bool:
         return self.cfg.lossy_setting is not None
 
-    def _sent_bytes(self, name: str, shape: tuple[int, ...]) -> int:
-        """Bytes one island hands to the slow link for a sum of parameter `name`'s `shape` (before
-        the route's fan-out)."""
-        quantization, numel = self.cfg.quantization, math.prod(shape)
-        if not self.cfg.compression.structured(shape, name):
-            return wire_nbytes(numel, quantization, quantization.group_size(shape))
-        if self.cfg.compress == "topk":
-            return self.cfg.topk.nbytes(numel, quantization)
-        rank = factor_rank(shape, self.cfg.compress_rank)
-        return sum(wire_nbytes(side * rank, quantization, quantization.group_size((side, rank))) for side in shape)
-
     @property
     def _played(self) -> bool:
         """Whether every worker lives here, so the simulator plays each one as an island of its own."""
         return self.comm.islands == 1 and len(self.comm.local_worker_ids) == self.comm.num_workers
 
-    def _links(self) -> tuple[list[IslandLink], list[list[int]]]:
-        """The islands this process plays and their workers (local indices): every worker an
-        island (the simulator), or this process's island."""
+    @property
+    def island_heads(self) -> list[int]:
+        """The local workers (indices) whose error-feedback residuals this process reads: each
+        played island's first, so only they need one (`start`'s `residuals`)."""
+        return [group[0] for group in self._groups]
+
+    @property
+    def _groups(self) -> list[list[int]]:
+        """The workers (local indices) of each island this process plays: every worker an island
+        (the simulator), or this process's island."""
         if self._played:
-            return PlayedIslands(self.comm.num_workers).links, [[index] for index in range(self.comm.num_workers)]
+            return [[index] for index in range(self.comm.num_workers)]
+        return [list(range(len(self.comm.local_worker_ids)))]
+
+    def _links(self) -> tuple[list[IslandLink], list[list[int]]]:
+        """The islands this process plays (`_groups`) and how each posts its collectives."""
+        if self._played:
+            return PlayedIslands(self.comm.num_workers).links, self._groups
         if self.comm.islands == 1:
             raise ConfigError(f"{self.cfg.lossy_setting} needs isoloco's own process groups: "
                               f"{type(self.comm).__name__} carries float32 sums only; use "
                               f"{self.cfg.lossy_setting.split('=')[0]}=none")
-        return [CommLink(self.comm)], [list(range(len(self.comm.local_worker_ids)))]
+        return [CommLink(self.comm)], self._groups
 
     def _stages(self, plan: list[list[_Job]]) -> list[tuple[int, str, int]]:
         """(phase, collective, yields) of every stage, in order: sums before gathers within a
@@ -443,13 +446,17 @@ class Merger:
                     continue
                 yields = 1
                 if kind == "sum" and self._compressed:
-                    islands, slices = ((self.comm.num_workers, 1) if self._played
-                                       else (self.comm.islands, self.comm.island_slices[0]))
-                    yields = max(self.cfg.compression.stages([job.phases[phase].shape for job in part],
-                                                             [job.name for job in part], islands, slices)
-                                 for part in parts)
+                    yields = max(self._phase_plan(part, phase).stages for part in parts)
                 stages.append((phase, kind, yields))
         return stages
+
+    def _phase_plan(self, jobs: list[_Job], phase: int) -> PhasePlan:
+        """The plan of phase `phase` of a bucket's `jobs` as a compressed sum, over the islands
+        this run's slow link joins (every worker one in the simulator)."""
+        islands, slices = ((self.comm.num_workers, 1) if self._played
+                           else (self.comm.islands, self.comm.island_slices[0]))
+        return PhasePlan.of([job.phases[phase].shape for job in jobs], [job.name for job in jobs],
+                            self.cfg.compression, islands, slices)
 
     def _refuse_non_finite(self, plan: list[list[_Job]], round: _Round) -> None:
         """Raise before anything is sent when an arrived local worker's delta is not finite:
@@ -587,7 +594,8 @@ class Merger:
         sums. An island is this process's workers, or in the simulator each worker."""
         shapes = [job.phases[phase].shape for job in jobs]
         names = [job.name for job in jobs]
-        self.comm.bytes_sent_per_worker += sum(self._sent_bytes(name, shape) for name, shape in zip(names, shapes))
+        plan = self._phase_plan(jobs, phase)
+        self.comm.bytes_sent_per_worker += plan.payload_bytes
         compression = self.cfg.compression
         # Where the merge computes (the deltas are fetched to), not where they are stored (pinned
         # host memory when offloaded from a GPU).
@@ -610,7 +618,7 @@ class Merger:
                           None if jobs[0].residuals is None else [job.residuals[group[0]] for job in jobs],
                           round.fetched, keep_inputs=len(links) == 1)
                    for group, came in zip(groups, arrived)]
-        results = yield from lockstep([island_phase(link, island, shapes, names, compression, factors)
+        results = yield from lockstep([island_phase(link, island, plan, compression, factors)
                                        for link, island in zip(links, islands)])
         self._land(jobs, phase, results[0])
 
@@ -664,31 +672,23 @@ class Merger:
 
 
 def wire_bytes_per_merge(shapes: Sequence[torch.Size], cfg: MergeConfig, islands: int,
-                         names: Sequence[str] | None = None) -> float:
+                         names: Sequence[str] | None = None, slices: int = 1) -> float:
     """The slow-link bytes one process puts on the link in a merge by the mean of tensors of
     `shapes` (float32; their parameter `names`, for merge.compress_exclude) under `cfg`'s
-    compression, over `islands` islands of one process each: what the metrics'
-    `wire_bytes_cross_island` counts, from the cost model (`isoloco.sync.cost`)."""
+    compression, over `islands` islands of `slices` processes each, averaged over an island's
+    processes: what the metrics' `wire_bytes_cross_island` counts. A compressed sum's bytes are
+    its plan's (`isoloco.sync.phase.PhasePlan`, the plan the merge runs); float32's are each
+    process's all-reduce of its slice of a bucket (`isoloco.torch_comm`), by the cost model
+    (`isoloco.sync.cost`)."""
     total = 0.0
-    quantization, limit = cfg.quantization, int(cfg.bucket_mb * 2**20)
     names = list(names) if names is not None else [""] * len(shapes)
-    for bucket in buckets([(4 * math.prod(shape), torch.float32) for shape in shapes], limit):
-        chosen = [(names[index], tuple(shapes[index])) for index in bucket]
+    for bucket in buckets([(4 * math.prod(shape), torch.float32) for shape in shapes], int(cfg.bucket_mb * 2**20)):
+        chosen = [shapes[index] for index in bucket]
         if cfg.lossy_setting is None:
-            total += wire_bytes("all_reduce", 4 * sum(math.prod(shape) for _, shape in chosen), islands)
-            continue
-        structured = [shape for name, shape in chosen if cfg.compression.structured(shape, name)]
-        dense = [torch.Size(shape) for name, shape in chosen if not cfg.compression.structured(shape, name)]
-        if dense:
-            total += wire_bytes_per_process(dense, quantization, islands)
-        if cfg.compress == "lowrank" and structured:
-            for side in (0, 1):  # the sums of the P and then the Q factors
-                total += wire_bytes_per_process(
-                    [torch.Size((shape[side], factor_rank(shape, cfg.compress_rank))) for shape in structured],
-                    quantization, islands)
-        elif structured:
-            total += wire_bytes("all_gather", sum(cfg.topk.nbytes(math.prod(s), quantization) for s in structured),
-                                islands)
+            total += wire_bytes("all_reduce", 4 * -(-sum(math.prod(shape) for shape in chosen) // slices), islands)
+        else:
+            total += PhasePlan.of(chosen, [names[index] for index in bucket], cfg.compression, islands,
+                                  slices).wire_bytes()
     return total
 
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 from isoloco import logs
-from isoloco.bench import comm, factors, goodput, link, memory, ortho, outer, scale, throughput
+from isoloco.bench import comm, factors, goodput, link, memory, merge_scale, ortho, outer, scale, throughput
 from isoloco.trainer import resolve_device
 
 TABLES = {
@@ -29,6 +29,7 @@ TABLES = {
     "factors": factors.tables,
     "link": link.tables,
     "goodput": goodput.tables,
+    "merge_scale": merge_scale.tables,
 }
 
 

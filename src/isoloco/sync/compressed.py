@@ -41,6 +41,7 @@ joins its slices), so no rounding is lost for good (`isoloco.sync.phase`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -67,8 +68,10 @@ def choose_route(islands: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkPlan:
-    """How the tensors of one bucket are cut into P·G chunks of whole scale groups: chunk
-    j·P + p of every tensor is what process j of each island sends to island p."""
+    """The plan of one compressed sum of a bucket's tensors: how they are cut into P·G chunks of
+    whole scale groups (chunk j·P + p of every tensor is what process j of each island sends to
+    island p), the collectives that carry them, one per stage, and the bytes those put on the
+    link. `island_sum` runs it; stage counts and byte counts are read from it alone."""
 
     numels: tuple[int, ...]
     groups: tuple[int, ...]  # entries per scale of each tensor
@@ -81,46 +84,86 @@ class ChunkPlan:
         return cls(tuple(math.prod(s) for s in shapes), tuple(quantization.group_size(s) for s in shapes),
                    quantization, islands, slices)
 
-    def ranges(self, tensor: int) -> list[tuple[int, int]]:
+    @property
+    def route(self) -> str:
+        return choose_route(self.islands)
+
+    @property
+    def collectives(self) -> tuple[str, ...]:
+        """The collectives of the sum, one per stage: the route's across islands (the
+        exchange's all-to-all, then the owners' all-gather), then with G > 1 the island's
+        all-gather of its slices (`join_slices`)."""
+        across = ("all_gather",) if self.route == "gather" else ("all_to_all", "all_gather")
+        return across + (("island all_gather",) if self.slices > 1 else ())
+
+    @property
+    def stages(self) -> int:
+        return len(self.collectives)
+
+    # Computed once per plan, which every island shares: each island reads every chunk's range
+    # and size, so computing them per call costs O(P²) per island.
+    @functools.cached_property
+    def _ranges(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        return tuple(tuple(shard_ranges(numel, group, self.islands * self.slices))
+                     for numel, group in zip(self.numels, self.groups))
+
+    @functools.cached_property
+    def _blob_sizes(self) -> tuple[int, ...]:
+        return tuple(sum(aligned(wire_nbytes(stop - start, self.quantization, group))
+                         for group, ranges in zip(self.groups, self._ranges) for start, stop in [ranges[chunk]])
+                     for chunk in range(self.islands * self.slices))
+
+    def ranges(self, tensor: int) -> tuple[tuple[int, int], ...]:
         """Entry ranges of the P·G chunks of tensor `tensor`."""
-        return shard_ranges(self.numels[tensor], self.groups[tensor], self.islands * self.slices)
+        return self._ranges[tensor]
 
     def length(self, tensor: int, chunk: int) -> int:
         """Entries of chunk `chunk` of tensor `tensor`."""
         start, stop = self.ranges(tensor)[chunk]
         return stop - start
 
+    def span(self, tensor: int, first: int, count: int) -> tuple[int, int]:
+        """The entry range of chunks first .. first + count − 1 of `tensor` (they are consecutive)."""
+        return self.ranges(tensor)[first][0], self.ranges(tensor)[first + count - 1][1]
+
     def blob_size(self, chunk: int) -> int:
         """Bytes of chunk `chunk` of every tensor, encoded and laid end to end."""
-        return sum(aligned(wire_nbytes(stop - start, self.quantization, group))
-                   for tensor, group in enumerate(self.groups)
-                   for start, stop in [self.ranges(tensor)[chunk]])
+        return self._blob_sizes[chunk]
 
-    def sent_bytes(self, route: str, slot: int) -> dict[str, float]:
+    def places(self, slot: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per island p and tensor, the entry range of chunk slot·P + p within the run of process
+        `slot`'s chunks (where the owners' all-gather writes it)."""
+        return self._places[slot]
+
+    @functools.cached_property
+    def _places(self) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
+        def of(first: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+            starts = [ranges[first][0] for ranges in self._ranges]
+            return tuple(tuple((ranges[first + p][0] - start, ranges[first + p][1] - start)
+                               for ranges, start in zip(self._ranges, starts)) for p in range(self.islands))
+
+        return tuple(of(slot * self.islands) for slot in range(self.slices))
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of every tensor's wire, whole: what an island hands to the sum, before the
+        route's fan-out (the same in every layout)."""
+        return sum(wire_nbytes(numel, self.quantization, group) for numel, group in zip(self.numels, self.groups))
+
+    def sent_bytes(self, slot: int) -> dict[str, float]:
         """Wire bytes process `slot` of an island puts on the slow link per collective kind,
         averaged over the islands (each keeps its own chunk of the all-to-all)."""
         first = slot * self.islands
         sizes = [self.blob_size(first + p) for p in range(self.islands)]
-        if route == "gather":
+        if self.route == "gather":
             return {"all_gather": wire_bytes("all_gather", sum(sizes), self.islands)}
         return {"all_to_all": wire_bytes("all_to_all", sum(sizes) - sum(sizes) / self.islands, self.islands),
                 "all_gather": wire_bytes("all_gather", max(sizes), self.islands)}
 
-
-def wire_bytes_per_process(shapes: Sequence[torch.Size], quantization: Quantization, islands: int,
-                           slices: int = 1) -> float:
-    """The slow-link bytes of one compressed sum of tensors of `shapes` (one bucket), averaged
-    over the processes of an island: what the metrics' `wire_bytes_cross_island` counts."""
-    plan = ChunkPlan.of(shapes, quantization, islands, slices)
-    route = choose_route(islands)
-    return sum(sum(plan.sent_bytes(route, slot).values()) for slot in range(slices)) / slices
-
-
-
-def sum_stages(islands: int, slices: int) -> int:
-    """The stages (yields) of one compressed sum: one collective on the ``gather`` route, two on
-    the ``exchange`` route, and one more to join an island's slices (G > 1)."""
-    return (1 if choose_route(islands) == "gather" else 2) + (slices > 1)
+    def wire_bytes(self) -> float:
+        """The slow-link bytes of the sum, averaged over the processes of an island: what the
+        metrics' `wire_bytes_cross_island` counts."""
+        return sum(sum(self.sent_bytes(slot).values()) for slot in range(self.slices)) / self.slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +189,7 @@ def island_sum(link: IslandLink, plan: ChunkPlan, inputs: Callable[[], list[torc
     is encoded once, and `keep` sees what its encode delivered (error feedback). Returns every
     tensor's sum, flat, and, with `feedback` on the ``exchange`` route, the owner roundings this
     island keeps (for every process of the island, whichever of them owned the chunk)."""
-    route = choose_route(link.islands)
+    route = plan.route
     handle = _post_encoded(link, plan, route, inputs, keep)
     yield [handle]
     mine, rounding = handle.wait(), None
@@ -156,7 +199,7 @@ def island_sum(link: IslandLink, plan: ChunkPlan, inputs: Callable[[], list[torc
         mine = handle.wait()
     slices, slot = link.slices
     owned = [link.island + s * link.islands for s in range(slices)]
-    lengths = [[_span(plan, t, s * link.islands, link.islands) for t in range(len(plan.numels))]
+    lengths = [[_entries(plan.span(t, s * link.islands, link.islands)) for t in range(len(plan.numels))]
                + ([plan.length(t, owned[s]) for t in range(len(plan.numels))] if rounding is not None else [])
                for s in range(slices)]
     joined = yield from join_slices(link, mine + (rounding or []), lengths)
@@ -172,44 +215,54 @@ def concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(list(parts))
 
 
-def _span(plan: ChunkPlan, tensor: int, first: int, count: int) -> int:
-    """Entries of chunks first .. first + count − 1 of `tensor` (they are consecutive)."""
-    return plan.ranges(tensor)[first + count - 1][1] - plan.ranges(tensor)[first][0]
+def _entries(span: tuple[int, int]) -> int:
+    return span[1] - span[0]
 
 
 def _post_encoded(link: IslandLink, plan: ChunkPlan, route: str, inputs: Callable[[], list[torch.Tensor]],
                   keep: Keep | None) -> Pending:
-    """Encode each input once, slice its wire into this process's P chunks, post them."""
-    first = link.slices[1] * link.islands
-    parts: list[list[torch.Tensor]] = [[] for _ in range(link.islands)]
+    """Encode each input once and post this process's P chunks of its wire."""
+    islands, slot = link.islands, link.slices[1]
+    first = slot * islands
+    wires = []
     for tensor, flat in enumerate(inputs()):
-        wire = quantize(flat, plan.quantization, plan.groups[tensor], check=False)
+        wires.append(quantize(flat, plan.quantization, plan.groups[tensor], check=False))
         if keep is not None:
-            keep(tensor, dequantize(wire))
-        for p, (start, stop) in enumerate(plan.ranges(tensor)[first:first + link.islands]):
-            parts[p].append(pad_aligned(wire.slice(start, stop).as_bytes()))
-    blobs = [torch.cat(chunk) for chunk in parts]
+            keep(tensor, dequantize(wires[-1]))
+
+    def parts() -> list[torch.Tensor]:
+        """Island p's blob: chunk first + p of every wire, laid end to end."""
+        return [torch.cat([pad_aligned(wire.slice(*plan.ranges(tensor)[first + p]).as_bytes())
+                           for tensor, wire in enumerate(wires)]) for p in range(islands)]
+
     if route == "gather":
-        return link.gather(torch.cat(blobs), SumFold(lambda source, blob: _decode_run(plan, first, link.islands, blob)))
-    return link.scatter(blobs, lambda p: SumFold(lambda source, blob: _decode(plan, first + p, blob)))
+        return link.gather(torch.cat(parts()), SumFold(lambda source, blob: _decode_run(plan, first, islands, blob)))
+
+    def whole() -> list[torch.Tensor]:
+        # A chunk's decode is its entries' codes times their group's scale, and chunks hold
+        # whole groups: slicing the decoded wire gives the bits of decoding each chunk.
+        return [dequantize(wire).reshape(-1)[slice(*plan.span(tensor, first, islands))]
+                for tensor, wire in enumerate(wires)]
+
+    def cut(p: int, sums: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [total[start:stop] for total, (start, stop) in zip(sums, plan.places(slot)[p])]
+
+    return link.scatter_sum(parts, lambda source, blob: _decode(plan, first + link.island, blob), whole, cut)
 
 
 def _post_reencoded(link: IslandLink, plan: ChunkPlan, totals: list[torch.Tensor],
                     feedback: bool) -> tuple[Pending, list[torch.Tensor] | None]:
     """The owner's step: encode the island total of its chunk again and post it to every
     island; with `feedback`, also what that rounding lost."""
-    islands, first = link.islands, link.slices[1] * link.islands
+    islands, slot = link.islands, link.slices[1]
+    first = slot * islands
     wires = [quantize(total, plan.quantization, group, check=False) for total, group in zip(totals, plan.groups)]
     blob = torch.cat([pad_aligned(wire.as_bytes()) for wire in wires])
     sizes = [plan.blob_size(first + p) for p in range(islands)]
     blob = F.pad(blob, (0, max(sizes) - blob.numel()))
     rounding = [total.sub_(dequantize(wire)) for total, wire in zip(totals, wires)] if feedback else None
-    counts = range(len(plan.numels))
-    base = [plan.ranges(t)[first][0] for t in counts]
-    places = [[(plan.ranges(t)[first + p][0] - base[t], plan.ranges(t)[first + p][1] - base[t]) for t in counts]
-              for p in range(islands)]
     fold = PlaceFold(lambda source, raw: _decode(plan, first + source, raw[:sizes[source]]),
-                     [_span(plan, t, first, islands) for t in counts], places)
+                     [_entries(plan.span(t, first, islands)) for t in range(len(plan.numels))], plan.places(slot))
     return link.gather(blob, fold), rounding
 
 

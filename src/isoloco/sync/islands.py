@@ -15,12 +15,17 @@ decoded copies (`SumFold`), or each island's decoded chunk written at its place 
 A process folds what its collective received; the played islands fold each island's part the
 moment it is posted, so the simulator never holds one encoded copy per island, and memory stays
 flat in R. Both run the same `Fold`, on the same bytes, in the same order: the same bits.
+
+The played islands share one fold per collective, and each island's part of the all-to-all
+(`scatter_sum`) enters it once, decoded whole, not as P chunks: every island's P parts would be
+P² decodes and adds in all, and the simulator's merge would cost O(P²). What every island
+computes alike from the same delivered bits (low rank's basis P̂) is computed once (`shared`).
 """
 
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Callable, Generic, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Sequence, TypeVar
 
 import torch
 
@@ -32,6 +37,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 #: The decoded parts (one flat float32 tensor per tensor of the bucket) of island `source`'s blob.
 Decode = Callable[[int, torch.Tensor], list[torch.Tensor]]
+#: Island p's share of the sums of whole tensors (`IslandLink.scatter_sum`).
+Cut = Callable[[int, list[torch.Tensor]], list[torch.Tensor]]
 
 
 class Fold(abc.ABC, Generic[T]):
@@ -42,11 +49,15 @@ class Fold(abc.ABC, Generic[T]):
         self._taken = 0
 
     def take(self, source: int, blob: torch.Tensor) -> None:
+        self.add(source, self._decode(source, blob))
+
+    def add(self, source: int, parts: list[torch.Tensor]) -> None:
+        """Island `source`'s part, already decoded."""
         if source != self._taken:
             raise RuntimeError(f"island {source}'s part arrived before island {self._taken}'s: folds run in island "
                                f"order, so that every layout adds in one order")
         self._taken += 1
-        self._add(source, self._decode(source, blob))
+        self._add(source, parts)
 
     @abc.abstractmethod
     def _add(self, source: int, parts: list[torch.Tensor]) -> None: ...
@@ -106,9 +117,18 @@ class IslandLink(abc.ABC):
     slices: tuple[int, int]
 
     @abc.abstractmethod
-    def scatter(self, parts: list[torch.Tensor], fold_for: Callable[[int], Fold[T]]) -> Pending[T]:
-        """An all-to-all of uint8 blobs: `parts[p]` goes to island p, and island p folds what
-        every island sent it with `fold_for(p)` (the same for every island's call)."""
+    def scatter_sum(self, parts: Callable[[], list[torch.Tensor]], decode: Decode,
+                    whole: Callable[[], list[torch.Tensor]], cut: Cut) -> Pending[list[torch.Tensor]]:
+        """An all-to-all of uint8 blobs, summed: `parts()[p]` goes to island p, which adds what
+        every island sent it, decoded by `decode` (its own chunk), in island order (`SumFold`).
+        `whole()` is this island's parts already decoded, each tensor's laid end to end (the bits
+        `decode` gives each part), and `cut(p, sums)` island p's share of such whole tensors:
+        played islands add wholes, and never encode the parts."""
+
+    @abc.abstractmethod
+    def shared(self, make: Callable[[], T]) -> T:
+        """`make()`, which every island computes alike from what its collectives delivered
+        (called at the same point of every island's steps)."""
 
     @abc.abstractmethod
     def gather(self, blob: torch.Tensor, fold: Fold[T]) -> Pending[T]:
@@ -127,11 +147,16 @@ class CommLink(IslandLink):
         self._comm = comm
         self.islands, self.island, self.slices = comm.islands, comm.island, comm.island_slices
 
-    def scatter(self, parts: list[torch.Tensor], fold_for: Callable[[int], Fold[T]]) -> Pending[T]:
+    def scatter_sum(self, parts: Callable[[], list[torch.Tensor]], decode: Decode,
+                    whole: Callable[[], list[torch.Tensor]], cut: Cut) -> Pending[list[torch.Tensor]]:
+        blobs = parts()
         # What every island sends here is as large as what this island keeps for itself.
-        own = parts[self.island].numel()
-        handle = self._comm.exchange(torch.cat(parts), [part.numel() for part in parts], [own] * self.islands)
-        return Pending([handle], lambda: folded(fold_for(self.island), handle.wait()))
+        own = blobs[self.island].numel()
+        handle = self._comm.exchange(torch.cat(blobs), [blob.numel() for blob in blobs], [own] * self.islands)
+        return Pending([handle], lambda: folded(SumFold(decode), handle.wait()))
+
+    def shared(self, make: Callable[[], T]) -> T:
+        return make()
 
     def gather(self, blob: torch.Tensor, fold: Fold[T]) -> Pending[T]:
         handle = self._comm.gather_peers(blob)
@@ -151,24 +176,39 @@ def folded(fold: Fold[T], blobs: Sequence[torch.Tensor]) -> T:
 class PlayedIslands:
     """P islands of one process each, played in this process: `links[i]` is island i's.
 
-    The islands post their k-th collective in island order; each part is folded as it is
-    posted, and every island's handle gives the fold's result once all P have posted."""
+    The islands post their k-th collective in island order into one fold, which each part
+    enters as it is posted; every island's handle gives its share of the fold's result once all
+    P have posted."""
 
     def __init__(self, islands: int) -> None:
         self.links = [_PlayedLink(self, island, islands) for island in range(islands)]
         self._posted = [0] * islands  # collectives each island has posted
-        self._open: dict[int, list] = {}  # the k-th collective's folds while islands post it
+        self._open: dict[int, Any] = {}  # the k-th collective's fold while islands post it
+        self._asked = [0] * islands  # `shared` values each island has asked for
+        self._kept: dict[int, Any] = {}  # the k-th shared value while islands ask for it
 
-    def _post(self, island: int, make: Callable[[], list[Fold]], feed: Callable[[list[Fold]], None],
-              own: int) -> Pending:
-        """Island `island` posts its next collective: `make` builds the collective's folds (the
-        first island's call), `feed` hands them this island's part; the handle gives fold `own`."""
-        count, self._posted[island] = self._posted[island], self._posted[island] + 1
-        folds = self._open.setdefault(count, make())
-        feed(folds)
-        if island == len(self._posted) - 1:
-            del self._open[count]
-        return Pending([_Complete(self, count)], folds[own].result)
+    def _post(self, island: int, make: Callable[[], Fold[T]], feed: Callable[[Fold[T]], None],
+              share: Callable[[T], T]) -> Pending[T]:
+        """Island `island` posts its next collective: `make` builds the collective's fold (the
+        first island's call), `feed` hands it this island's part; the handle gives `share` of
+        the fold's result."""
+        count, fold = self._joint(self._posted, self._open, island, make)
+        feed(fold)
+        return Pending([_Complete(self, count)], lambda: share(fold.result()))
+
+    def _shared(self, island: int, make: Callable[[], T]) -> T:
+        return self._joint(self._asked, self._kept, island, make)[1]
+
+    def _joint(self, calls: list[int], kept: dict[int, Any], island: int, make: Callable[[], T]) -> tuple[int, T]:
+        """(k, the k-th object of such calls), for island `island`'s k-th call (`calls` counts
+        each island's): the first island's call makes it, the last island's lets it go."""
+        count, calls[island] = calls[island], calls[island] + 1
+        if count not in kept:
+            kept[count] = make()
+        value = kept[count]
+        if island == len(calls) - 1:
+            del kept[count]
+        return count, value
 
 
 class _Complete:
@@ -187,16 +227,17 @@ class _PlayedLink(IslandLink):
         self._played = played
         self.islands, self.island, self.slices = islands, island, (1, 0)
 
-    def scatter(self, parts: list[torch.Tensor], fold_for: Callable[[int], Fold[T]]) -> Pending[T]:
-        def feed(folds: list[Fold]) -> None:
-            for fold, part in zip(folds, parts):
-                fold.take(self.island, part)
-
-        return self._played._post(self.island, lambda: [fold_for(p) for p in range(self.islands)], feed,
-                                  self.island)
+    def scatter_sum(self, parts: Callable[[], list[torch.Tensor]], decode: Decode,
+                    whole: Callable[[], list[torch.Tensor]], cut: Cut) -> Pending[list[torch.Tensor]]:
+        return self._played._post(self.island, lambda: SumFold(decode), lambda fold: fold.add(self.island, whole()),
+                                  lambda sums: cut(self.island, sums))
 
     def gather(self, blob: torch.Tensor, fold: Fold[T]) -> Pending[T]:
-        return self._played._post(self.island, lambda: [fold], lambda folds: folds[0].take(self.island, blob), 0)
+        return self._played._post(self.island, lambda: fold, lambda first: first.take(self.island, blob),
+                                  lambda result: result)
+
+    def shared(self, make: Callable[[], T]) -> T:
+        return self._played._shared(self.island, make)
 
     def join(self, part: torch.Tensor) -> Pending[list[torch.Tensor]]:
         return Pending.done([part])  # a played island is one process

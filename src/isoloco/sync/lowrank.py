@@ -27,6 +27,7 @@ so a rank-deficient P still gives orthonormal columns, with no ε as Gram-Schmid
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Callable, Sequence
 
@@ -56,25 +57,51 @@ def orthonormal(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(p, mode="reduced").Q
 
 
-def lowrank_island_sum(link: IslandLink, quantization: Quantization, shapes: Sequence[torch.Size],
+@dataclasses.dataclass(frozen=True)
+class LowRankPlan:
+    """The plan of one bucket's rank-k sums: the sum of the m×k factors P, then of the n×k
+    factors Q', each a compressed sum (`ChunkPlan`); stages and bytes are theirs together."""
+
+    ranks: tuple[int, ...]  # k of each matrix, clamped to its smaller side
+    p: ChunkPlan
+    q: ChunkPlan
+
+    @classmethod
+    def of(cls, shapes: Sequence[Sequence[int]], rank: int, quantization: Quantization, islands: int,
+           slices: int) -> LowRankPlan:
+        ranks = tuple(factor_rank(shape, rank) for shape in shapes)
+        return cls(ranks, *(ChunkPlan.of([torch.Size((shape[side], k)) for shape, k in zip(shapes, ranks)],
+                                         quantization, islands, slices) for side in (0, 1)))
+
+    @property
+    def stages(self) -> int:
+        return self.p.stages + self.q.stages
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.p.payload_bytes + self.q.payload_bytes
+
+    def wire_bytes(self) -> float:
+        return self.p.wire_bytes() + self.q.wire_bytes()
+
+
+def lowrank_island_sum(link: IslandLink, plan: LowRankPlan, shapes: Sequence[torch.Size],
                        factors: list[torch.Tensor], inputs: Callable[[], list[torch.Tensor]], feedback: bool,
                        store: Callable[[int, torch.Tensor], None] | None = None
                        ) -> Steps[tuple[list[torch.Tensor], list[torch.Tensor], list[Rounding]]]:
-    """One island's steps of the rank-k sums over every island of matrices of `shapes`:
-    `inputs()` gives this island's X_i (its sum plus its residual; called in the first stage of
-    each of the two sums, so an island played in this process need not hold it between them),
-    `factors[t]` matrix t's warm-start Q. Returns, per matrix, Q' and P̂ (the sum is P̂ Q'ᵀ),
-    and with `feedback` the owner roundings of Q' this island keeps (e_i += P̂ Oᵀ).
+    """One island's steps of the rank-k sums over every island of matrices of `shapes`, as
+    `plan` says: `inputs()` gives this island's X_i (its sum plus its residual; called in the
+    first stage of each of the two sums, so an island played in this process need not hold it
+    between them), `factors[t]` matrix t's warm-start Q (n×k, k = `plan.ranks[t]`). Returns, per
+    matrix, Q' and P̂ (the sum is P̂ Q'ᵀ), and with `feedback` the owner roundings of Q' this
+    island keeps (e_i += P̂ Oᵀ).
 
     `store(t, e)` (error feedback, an island whose workers arrived) receives the island's new
     residual of matrix t, e = X − P̂ q(X_iᵀ P̂)ᵀ with q what its share became on the wire."""
-    ranks = [factor.shape[1] for factor in factors]
-    plan_p = ChunkPlan.of([torch.Size((shape[0], k)) for shape, k in zip(shapes, ranks)], quantization,
-                          link.islands, link.slices[0])
-    plan_q = ChunkPlan.of([torch.Size((shape[1], k)) for shape, k in zip(shapes, ranks)], quantization,
-                          link.islands, link.slices[0])
-    sums, _ = yield from island_sum(link, plan_p, lambda: [(x @ q).reshape(-1) for x, q in zip(inputs(), factors)])
-    bases = [orthonormal(p.view(shape[0], k)) for p, shape, k in zip(sums, shapes, ranks)]
+    ranks = plan.ranks
+    sums, _ = yield from island_sum(link, plan.p, lambda: [(x @ q).reshape(-1) for x, q in zip(inputs(), factors)])
+    # Every island holds the same P, so the same P̂: the played islands hold one copy.
+    bases = link.shared(lambda: [orthonormal(p.view(shape[0], k)) for p, shape, k in zip(sums, shapes, ranks)])
     del sums
     held: list[torch.Tensor | None] = []
 
@@ -87,6 +114,6 @@ def lowrank_island_sum(link: IslandLink, quantization: Quantization, shapes: Seq
         assert store is not None and x is not None
         store(tensor, x - bases[tensor] @ decoded.view(-1, ranks[tensor]).T)
 
-    warm, roundings = yield from island_sum(link, plan_q, shares, keep if store is not None else None, feedback)
+    warm, roundings = yield from island_sum(link, plan.q, shares, keep if store is not None else None, feedback)
     held.clear()
     return [q.view(shape[1], k) for q, shape, k in zip(warm, shapes, ranks)], bases, roundings

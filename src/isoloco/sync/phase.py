@@ -33,11 +33,11 @@ import torch
 
 from isoloco.sync import offload
 from isoloco.sync.codec import Quantization
-from isoloco.sync.compressed import ChunkPlan, Rounding, island_sum, sum_stages
+from isoloco.sync.compressed import ChunkPlan, Rounding, island_sum
 from isoloco.sync.handles import Steps, lockstep, padded
 from isoloco.sync.islands import IslandLink
-from isoloco.sync.lowrank import lowrank_island_sum
-from isoloco.sync.topk import TopK, topk_island_sum
+from isoloco.sync.lowrank import LowRankPlan, lowrank_island_sum
+from isoloco.sync.topk import TopK, TopKPlan, topk_island_sum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Compression:
     topk: TopK
     feedback: bool
     exclude: tuple[str, ...] = ()  # fnmatch patterns of parameter names whose matrices skip `compress`
+    rank: int = 4  # compress="lowrank": the factors' rank k, before each matrix's clamp
 
     def structured(self, shape: Sequence[int], name: str = "") -> bool:
         """Whether a sum of parameter `name`'s `shape` travels through `compress` (matrices
@@ -56,18 +57,51 @@ class Compression:
         return (self.compress != "none" and len(shape) == 2
                 and not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude))
 
-    def stages(self, shapes: Sequence[Sequence[int]], names: Sequence[str], islands: int, slices: int) -> int:
-        """The stages of a phase of tensors of `shapes` (parameters `names`) over `islands`
-        islands of `slices` processes each: those of its longest sum (low rank sums twice;
-        top-k gathers once)."""
-        dense = sum_stages(islands, slices)
 
-        def of(shape: Sequence[int], name: str) -> int:
-            if not self.structured(shape, name):
-                return dense
-            return 2 * dense if self.compress == "lowrank" else 1 + (slices > 1)
+@dataclasses.dataclass(frozen=True)
+class PhasePlan:
+    """The plan of one bucket's compressed sum phase over `islands` islands of `slices`
+    processes each: which tensors take which sum, each sum's own plan, and from those alone the
+    phase's stages (its longest sum's) and bytes (theirs added up). `island_phase` runs it, the
+    merge counts its stages and bytes with it, and the cost model (`isoloco.merge.wire_bytes_per_merge`)
+    adds up its bytes: one plan for all three."""
 
-        return max(map(of, shapes, names))
+    shapes: tuple[torch.Size, ...]
+    #: (tensor indices, their sum's plan): the dense sum, then the structured one (low rank or top-k).
+    sums: tuple[tuple[tuple[int, ...], ChunkPlan | LowRankPlan | TopKPlan], ...]
+
+    @classmethod
+    def of(cls, shapes: Sequence[Sequence[int]], names: Sequence[str], compression: Compression, islands: int,
+           slices: int) -> PhasePlan:
+        shapes = tuple(torch.Size(shape) for shape in shapes)
+        structured = tuple(index for index, (shape, name) in enumerate(zip(shapes, names))
+                           if compression.structured(shape, name))
+        dense = tuple(index for index in range(len(shapes)) if index not in structured)
+        quantization = compression.quantization
+        sums: list[tuple[tuple[int, ...], ChunkPlan | LowRankPlan | TopKPlan]] = []
+        if dense:
+            sums.append((dense, ChunkPlan.of([shapes[index] for index in dense], quantization, islands, slices)))
+        if structured and compression.compress == "topk":
+            sums.append((structured, TopKPlan(tuple(math.prod(shapes[index]) for index in structured),
+                                              compression.topk, quantization, islands, slices)))
+        elif structured:
+            sums.append((structured, LowRankPlan.of([shapes[index] for index in structured], compression.rank,
+                                                    quantization, islands, slices)))
+        return cls(shapes, tuple(sums))
+
+    @property
+    def stages(self) -> int:
+        return max(plan.stages for _, plan in self.sums)
+
+    @property
+    def payload_bytes(self) -> int:
+        """What one island hands to the phase's sums, before the routes' fan-out: the same in
+        every layout (`Communicator.bytes_sent_per_worker`)."""
+        return sum(plan.payload_bytes for _, plan in self.sums)
+
+    def wire_bytes(self) -> float:
+        """The slow-link bytes of the phase, averaged over the processes of an island."""
+        return sum(plan.wire_bytes() for _, plan in self.sums)
 
 
 @dataclasses.dataclass
@@ -94,13 +128,12 @@ class Island:
         offload.store(self.residuals[tensor], value)
 
 
-def island_phase(link: IslandLink, island: Island, shapes: Sequence[torch.Size], names: Sequence[str],
-                 compression: Compression, factors: dict[int, torch.Tensor]
-                 ) -> Steps[dict[int, tuple[torch.Tensor, torch.Tensor | None]]]:
-    """One island's steps of a compressed sum phase of parameters `names` of `shapes`
-    (`factors`: the low-rank warm starts, by tensor index). Returns, by tensor index, (its sum,
-    None), or for low rank (Q', P̂): the sum is P̂ Q'ᵀ, formed once by the caller."""
-    sizes = [math.prod(shape) for shape in shapes]
+def island_phase(link: IslandLink, island: Island, plan: PhasePlan, compression: Compression,
+                 factors: dict[int, torch.Tensor]) -> Steps[dict[int, tuple[torch.Tensor, torch.Tensor | None]]]:
+    """One island's steps of a compressed sum phase as `plan` says (`factors`: the low-rank warm
+    starts, by tensor index). Returns, by tensor index, (its sum, None), or for low rank
+    (Q', P̂): the sum is P̂ Q'ᵀ, formed once by the caller."""
+    sizes = [math.prod(shape) for shape in plan.shapes]
     memo: list[list[torch.Tensor]] = []
 
     def contributions() -> list[torch.Tensor]:
@@ -108,21 +141,12 @@ def island_phase(link: IslandLink, island: Island, shapes: Sequence[torch.Size],
             memo.append(list(torch.split(island.contribution(), sizes)))
         return memo[0]
 
-    structured = [index for index, (shape, name) in enumerate(zip(shapes, names))
-                  if compression.structured(shape, name)]
-    dense = [index for index in range(len(shapes)) if index not in structured]
-    parts, kinds = [], []
-    if dense:
-        parts.append(_summed(link, island, dense, shapes, contributions, compression, topk=False))
-        kinds.append(dense)
-    if structured and compression.compress == "topk":
-        parts.append(_summed(link, island, structured, shapes, contributions, compression, topk=True))
-        kinds.append(structured)
-    elif structured:
-        parts.append(_lowrank(link, island, structured, shapes, contributions, compression, factors))
-        kinds.append(structured)
-    stages = compression.stages(shapes, names, link.islands, link.slices[0])
-    steps = lockstep([padded(part, stages) for part in parts])
+    def run(indices: tuple[int, ...], sum_plan: ChunkPlan | LowRankPlan | TopKPlan) -> Steps[list]:
+        if isinstance(sum_plan, LowRankPlan):
+            return _lowrank(link, island, indices, plan.shapes, contributions, compression, sum_plan, factors)
+        return _summed(link, island, indices, contributions, compression, sum_plan)
+
+    steps = lockstep([padded(run(indices, sum_plan), plan.stages) for indices, sum_plan in plan.sums])
     while True:
         try:
             handles = next(steps)
@@ -132,11 +156,11 @@ def island_phase(link: IslandLink, island: Island, shapes: Sequence[torch.Size],
         if not island.keep_inputs:
             memo.clear()
         yield handles
-    return {index: value for indices, result in zip(kinds, results) for index, value in zip(indices, result)}
+    return {index: value for (indices, _), result in zip(plan.sums, results) for index, value in zip(indices, result)}
 
 
-def _summed(link: IslandLink, island: Island, indices: list[int], shapes: Sequence[torch.Size],
-            contributions: Callable[[], list[torch.Tensor]], compression: Compression, topk: bool) -> Steps[list[tuple[torch.Tensor, None]]]:
+def _summed(link: IslandLink, island: Island, indices: Sequence[int], contributions: Callable[[], list[torch.Tensor]],
+            compression: Compression, plan: ChunkPlan | TopKPlan) -> Steps[list[tuple[torch.Tensor, None]]]:
     """The dense (or top-k) sums of tensors `indices`, with error feedback on the island's
     residuals: X_i = x_i + e_i is what is sent, and e_i becomes what the wire did not deliver."""
     feedback = compression.feedback
@@ -157,12 +181,10 @@ def _summed(link: IslandLink, island: Island, indices: list[int], shapes: Sequen
         island.store(indices[position], residual)
 
     keeps = keep if feedback and island.arrived else None
-    if topk:
-        sums = yield from topk_island_sum(link, compression.topk, compression.quantization, inputs, keeps)
+    if isinstance(plan, TopKPlan):
+        sums = yield from topk_island_sum(link, plan, inputs, keeps)
         roundings: list[Rounding] = []
     else:
-        plan = ChunkPlan.of([shapes[index] for index in indices], compression.quantization, link.islands,
-                            link.slices[0])
         sums, roundings = yield from island_sum(link, plan, inputs, keeps, feedback)
     for rounding in roundings:
         residual = island.load(indices[rounding.tensor])
@@ -171,8 +193,8 @@ def _summed(link: IslandLink, island: Island, indices: list[int], shapes: Sequen
     return [(total, None) for total in sums]
 
 
-def _lowrank(link: IslandLink, island: Island, indices: list[int], shapes: Sequence[torch.Size],
-             contributions: Callable[[], list[torch.Tensor]], compression: Compression,
+def _lowrank(link: IslandLink, island: Island, indices: Sequence[int], shapes: Sequence[torch.Size],
+             contributions: Callable[[], list[torch.Tensor]], compression: Compression, plan: LowRankPlan,
              factors: dict[int, torch.Tensor]) -> Steps[list[tuple[torch.Tensor, torch.Tensor]]]:
     """The rank-k sums of matrices `indices`: X_i = x_i + e_i (x_i alone without error
     feedback, or when none of the island's workers arrived)."""
@@ -187,8 +209,8 @@ def _lowrank(link: IslandLink, island: Island, indices: list[int], shapes: Seque
         island.store(indices[position], residual)
 
     warm, bases, roundings = yield from lowrank_island_sum(
-        link, compression.quantization, matrices, [factors[index] for index in indices], inputs,
-        compression.feedback, store if feedback else None)
+        link, plan, matrices, [factors[index] for index in indices], inputs, compression.feedback,
+        store if feedback else None)
     for rounding in roundings:
         position = rounding.tensor
         lost = torch.zeros_like(warm[position])

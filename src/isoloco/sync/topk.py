@@ -30,6 +30,7 @@ import torch
 
 from isoloco.sync.codec import Quantization, Wire, aligned, dequantize, pad_aligned, quantize, shard_ranges, wire_nbytes
 from isoloco.sync.compressed import Keep, concat, join_slices
+from isoloco.sync.cost import wire_bytes
 from isoloco.sync.handles import Steps
 from isoloco.sync.islands import IslandLink, SumFold
 
@@ -113,18 +114,58 @@ def carried(spec: TopK, numel: int, slices: int) -> list[tuple[int, int]]:
     return shard_ranges(spec.layout(numel)[1], 1, slices)
 
 
-def topk_island_sum(link: IslandLink, spec: TopK, quantization: Quantization,
-                    inputs: Callable[[], list[torch.Tensor]], keep: Keep | None = None) -> Steps[list[torch.Tensor]]:
-    """One island's steps of the top-k sum over every island of a bucket's tensors: `inputs()`
-    (called once, in the first stage) gives this island's flat float32 tensors; each is
-    selected and encoded once, `keep` sees what its selection delivers (error feedback: every
-    entry left out and what the kept values lost to rounding), and this process sends its
+@dataclasses.dataclass(frozen=True)
+class TopKPlan:
+    """The plan of one bucket's top-k sum: the chunks each process of an island carries, the
+    collectives that carry them, one per stage, and the bytes those put on the link."""
+
+    numels: tuple[int, ...]
+    spec: TopK
+    quantization: Quantization
+    islands: int  # P
+    slices: int  # G: processes per island that split its traffic
+
+    @property
+    def collectives(self) -> tuple[str, ...]:
+        """Every island's entries all-gathered, then with G > 1 the island's slices joined."""
+        return ("all_gather",) + (("island all_gather",) if self.slices > 1 else ())
+
+    @property
+    def stages(self) -> int:
+        return len(self.collectives)
+
+    def spans(self, tensor: int) -> list[tuple[int, int]]:
+        """The chunks [first, last) of tensor `tensor` each process of an island carries."""
+        return carried(self.spec, self.numels[tensor], self.slices)
+
+    def sizes(self, slot: int) -> list[int]:
+        """Bytes of each tensor's chunks that process `slot` of an island sends."""
+        return [self.spec.nbytes(numel, self.quantization, last - first)
+                for numel, (first, last) in zip(self.numels, (self.spans(t)[slot] for t in range(len(self.numels))))]
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of every tensor's entries, whole: what an island hands to the sum."""
+        return sum(self.spec.nbytes(numel, self.quantization) for numel in self.numels)
+
+    def wire_bytes(self) -> float:
+        """The slow-link bytes of the sum, averaged over the processes of an island."""
+        return sum(wire_bytes("all_gather", sum(self.sizes(slot)), self.islands)
+                   for slot in range(self.slices)) / self.slices
+
+
+def topk_island_sum(link: IslandLink, plan: TopKPlan, inputs: Callable[[], list[torch.Tensor]],
+                    keep: Keep | None = None) -> Steps[list[torch.Tensor]]:
+    """One island's steps of the top-k sum over every island of a bucket's tensors, as `plan`
+    says: `inputs()` (called once, in the first stage) gives this island's flat float32 tensors;
+    each is selected and encoded once, `keep` sees what its selection delivers (error feedback:
+    every entry left out and what the kept values lost to rounding), and this process sends its
     slice of the chunks. Returns every tensor's sum, flat."""
+    spec, quantization, numels = plan.spec, plan.quantization, plan.numels
     slices, slot = link.slices
-    blob, numels = _encoded(inputs, spec, quantization, slices, slot, keep)
-    spans = [carried(spec, numel, slices) for numel in numels]
-    sizes = [spec.nbytes(numel, quantization, last - first) for numel, (first, last) in
-             zip(numels, (span[slot] for span in spans))]
+    blob = _encoded(inputs, plan, slot, keep)
+    spans = [plan.spans(tensor) for tensor in range(len(numels))]
+    sizes = plan.sizes(slot)
 
     def decoded(source: int, blob: torch.Tensor) -> list[torch.Tensor]:
         pieces = torch.split(blob, sizes)
@@ -138,14 +179,12 @@ def topk_island_sum(link: IslandLink, spec: TopK, quantization: Quantization,
     return [concat(pieces) for pieces in zip(*joined)]
 
 
-def _encoded(inputs: Callable[[], list[torch.Tensor]], spec: TopK, quantization: Quantization, slices: int,
-             slot: int, keep: Keep | None) -> tuple[torch.Tensor, list[int]]:
-    """This process's blob of every input's carried chunks, and the inputs' sizes."""
-    parts, numels = [], []
+def _encoded(inputs: Callable[[], list[torch.Tensor]], plan: TopKPlan, slot: int, keep: Keep | None) -> torch.Tensor:
+    """This process's blob of every input's carried chunks."""
+    parts = []
     for tensor, flat in enumerate(inputs()):
-        index, wire = select(flat, spec, quantization)
-        numels.append(flat.numel())
+        index, wire = select(flat, plan.spec, plan.quantization)
         if keep is not None:
-            keep(tensor, scatter(index, dequantize(wire), flat.numel(), spec, 0))
-        parts.append(encode(index, wire, *carried(spec, flat.numel(), slices)[slot]))
-    return torch.cat(parts), numels
+            keep(tensor, scatter(index, dequantize(wire), flat.numel(), plan.spec, 0))
+        parts.append(encode(index, wire, *plan.spans(tensor)[slot]))
+    return torch.cat(parts)
