@@ -282,3 +282,37 @@ def test_sigterm_during_the_last_round_is_acknowledged(tmp_path, capsys, monkeyp
             "complete (nothing to resume)") in capsys.readouterr().err.splitlines()
     assert json.loads((out / "summary.json").read_text())["final_val_loss"] > 0
     assert yaml.safe_load((out / "config.yaml").read_text())["steps"] == 4
+
+
+# -- 12: progress inside a round -----------------------------------------------------------------
+
+def test_a_round_says_how_far_it_has_come_and_its_metrics_reach_the_file_before_a_checkpoint(
+        tmp_path, monkeypatch, caplog):
+    """Where no terminal draws the bar, a line per worker step when the interval is 0 (the
+    default interval is 30 s), naming the step and the worker; and a round's metrics lines are in
+    metrics.jsonl as soon as the round ends, before any checkpoint syncs the file."""
+    import logging
+
+    from isoloco import trainer as trainer_module
+    from isoloco.config import parse_overrides
+
+    monkeypatch.setattr(trainer_module, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(trainer_module.logs, "interactive", lambda: False)
+    cfg = resolve(None, {**parse_overrides(TINY_RUN), "checkpoint_every": 1000})
+    (tmp_path / "run").mkdir()
+    trainer = trainer_module.Trainer(cfg, tmp_path / "run", progress=True)
+    seen_after_round = []
+    original = trainer._log_round
+
+    def log_round(log, start, end, *args):
+        original(log, start, end, *args)
+        seen_after_round.append(len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()))
+
+    monkeypatch.setattr(trainer, "_log_round", log_round)
+    with caplog.at_level(logging.INFO, logger="isoloco.trainer"):
+        trainer.run()
+    said = [record.getMessage() for record in caplog.records]
+    for step in (1, 2):
+        for worker in (1, 2):
+            assert f"step {step}/4, worker {worker} of 2" in said
+    assert seen_after_round == [2, 4]  # each round's two step lines, on disk when the round ends

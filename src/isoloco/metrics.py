@@ -1,4 +1,5 @@
-"""Metrics: one JSON line per step in `metrics.jsonl`, optionally mirrored to TensorBoard / W&B.
+"""Metrics: one JSON line per step in `metrics.jsonl`, written as each round ends, optionally mirrored
+to TensorBoard / W&B.
 
 The file is append-only; a resumed run first truncates it to the length recorded in the
 checkpoint, so a crash never leaves duplicated or orphaned lines.
@@ -38,7 +39,9 @@ class MetricsLog:
             self._wandb = wandb.init(project=wandb_project, name=run_name, config=config, dir=str(path.parent))
 
     def write(self, record: dict[str, Any]) -> None:
+        # Flushed line by line (not synced: a checkpoint syncs), so the file shows a run's progress.
         self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
         step = record["step"]
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self._tensorboard is not None:

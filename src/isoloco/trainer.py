@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from isoloco import checkpoint as ckpt
 from isoloco import logs, sharded_checkpoint
-from isoloco.algorithms import Algorithm, Worker, build_algorithm
+from isoloco.algorithms import Algorithm, Worker, build_algorithm, workers_file
 from isoloco.config import TrainConfig, divergence_causes, to_dict
 from isoloco.data import Batches, TokenData, check_run_data, load_token_data, validation_batches
 from isoloco.distributed import Distributed
@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 #: summary.json, metrics.jsonl and a checkpoint's state: `merge.finder_dtype` as it resolved here.
 FINDER_DTYPE_KEY = "merge_finder_dtype"
+#: Where no terminal draws the progress bar, a plain line inside a round at most this often
+#: (the round's own line comes at its end, which a slow round may keep waiting).
+PROGRESS_EVERY_S = 30.0
 
 
 def use_deterministic_kernels() -> None:
@@ -183,6 +186,7 @@ class Trainer:
         # Counts worker steps; `run` replaces it with a visible bar (rounds driven by the
         # benchmarks and the GPU check outside `run` update this silent one).
         self.bar = tqdm(disable=True)
+        self._progress_at = time.perf_counter()
 
     # -- one step --------------------------------------------------------------------------
 
@@ -208,10 +212,23 @@ class Trainer:
             self.dist.average_gradients(self.params)
             worker.optimizer.step(step)
             self.bar.update()
+            self._step_progress(worker, step)
         self.algorithm.end_turn(worker)
         for hook in self.after_turn:
             hook(worker, start, end)
         return losses
+
+    def _step_progress(self, worker: Worker, step: int) -> None:
+        """Where no terminal draws the bar, say how far a round has come, every
+        `PROGRESS_EVERY_S` seconds at most."""
+        if not (self.progress and self.bar.disable):
+            return
+        now = time.perf_counter()
+        if now - self._progress_at < PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        where = f", worker {worker.index + 1} of {self.cfg.num_workers}" if self.cfg.num_workers > 1 else ""
+        logger.info("step %d/%d%s", step + 1, self.cfg.train_steps, where)
 
     def train_round(self, start: int, end: int) -> torch.Tensor:
         """One round (dp: one segment of H steps); the mean loss per step over the workers that
@@ -288,7 +305,7 @@ class Trainer:
 
     def _workers_file(self) -> str:
         """The checkpoint file holding the state of this process's island's workers."""
-        return f"workers-{self.dist.layout.island}"
+        return workers_file(self.dist.layout.island)
 
     def restore(self) -> int | None:
         """Load the newest valid checkpoint; return the metrics file offset to truncate to."""
@@ -460,6 +477,7 @@ class Trainer:
         if self.progress and self.bar.disable:  # no terminal to draw the bar on
             logger.info("step %d/%d: %s", end, self.cfg.train_steps,
                         ", ".join(f"{key} {value}" for key, value in shown.items()))
+            self._progress_at = time.perf_counter()
         self.bar.set_postfix(**shown)
 
     def summary(self) -> dict[str, Any]:
