@@ -56,7 +56,8 @@ def _legend_names(series: dict[str, RunResult], axes: list[str], ignore: frozens
     """Series label -> a short legend name: the method, then each setting that sets a run apart
     from others of its method (a variant's key) and differs between the series shown (`series`:
     each label's first run), with its value as the command line spells it, in every series it
-    applies to and acts in; then the varying `axes`. A key goes by its last part where that is
+    applies to and acts in, and holds a value (an empty list is left out); then the varying `axes`.
+    A key goes by its last part where that is
     unique among them (`quantize`, not `merge.quantize`). `ignore`: keys the plot's axis shows."""
     settings = {label: dict(run.settings) for label, run in series.items()}
     own = {label: {part.partition("=")[0] for part in run.variant.split()} for label, run in series.items()}
@@ -70,7 +71,7 @@ def _legend_names(series: dict[str, RunResult], axes: list[str], ignore: frozens
     leaves = [key.rsplit(".", 1)[-1] for key in keys]
     short = {key: leaf if leaves.count(leaf) == 1 else key for key, leaf in zip(keys, leaves)}
     return {label: " ".join([run.method, *(f"{short[key]}={_typed(settings[label].get(key))}" for key in keys
-                                          if named(label, key)),
+                                          if named(label, key) and _typed(settings[label].get(key))),
                              *(f"{_AXIS_NAMES[axis]}={getattr(run, axis)}" for axis in axes)])
             for label, run in series.items()}
 
@@ -252,14 +253,14 @@ def _curves(runs: list[RunResult]) -> Any:
     fig = Figure(figsize=(max(6.4, 4.2 * cols), 3.4 * rows), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False, sharey=True).ravel()
     # The first evaluations sit far above the rest; cap the y axis at the losses after a
-    # quarter of training so the differences between methods stay visible.
+    # quarter of training so the differences between methods stay visible, and mark what it cuts.
     last = max(t for r in with_curve for t, _ in r.curve)
     low = min(v for r in with_curve for _, v in r.curve)
     high = max(v for r in with_curve for t, v in r.curve if t >= 0.25 * last)
     handles: dict[str, Any] = {}
     for ax, workers in zip(axes, panels):
         for r in [x for x in with_curve if x.is_dp or x.workers == workers]:
-            label = "dp" if r.is_dp else names[_series_label(r, varying)]
+            label = f"dp ({r.tokens:,} tokens)" if r.is_dp else names[_series_label(r, varying)]
             label += f" seed {r.seed}" if seeds else ""
             color, style = ("black", "--") if r.is_dp else (colors[_series_label(r, varying)], "-")
             (line,) = ax.plot([t for t, _ in r.curve], [v for _, v in r.curve], marker=".", color=color,
@@ -273,8 +274,18 @@ def _curves(runs: list[RunResult]) -> Any:
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     pad = 0.03 * (high - low or 1.0)
-    axes[0].set_ylim(low - pad, high + pad)
+    top = high + pad
+    for ax, workers in zip(axes, panels):  # what the cap hides, drawn as ▲ on the top edge
+        for r in [x for x in with_curve if x.is_dp or x.workers == workers]:
+            above = [t for t, v in r.curve if v > top]
+            if above:
+                color = "black" if r.is_dp else colors[_series_label(r, varying)]
+                ax.plot(above, [top] * len(above), marker="^", linestyle="none", color=color, clip_on=False)
+    axes[0].set_ylim(low - pad, top)
     _plain_y(axes[0], _loss_span([high]))
+    if any(v > top for r in with_curve for _, v in r.curve):
+        fig.suptitle(f"y axis cut at {top:.2f} (the losses after a quarter of training); ▲: an evaluation above it",
+                     fontsize="small")
     for ax in axes[::cols]:
         ax.set_ylabel("validation loss")
     _legend_below(fig, list(handles.values()), list(handles))
@@ -295,15 +306,19 @@ def _against_bytes(runs: list[RunResult]) -> Any:
     fig = Figure(figsize=(6.4, 4.4), layout="constrained")
     ax = fig.add_subplot()
     ax.set_title("Final validation loss against the slow link's bytes")
+    sent = {id(group): mean_std(group.values("slow_link_bytes"))[0] for group in groups}
     for group in groups:
         label = _series_label(group.first, varying)
         loss, spread = mean_std(group.values("final_val_loss"))
-        ax.errorbar([mean_std(group.values("slow_link_bytes"))[0]], [loss], yerr=[spread or 0.0], marker="o",
+        # Settings that send the same bytes stand side by side, not on top of each other.
+        same = [other for other in groups if f"{sent[id(other)]:.6g}" == f"{sent[id(group)]:.6g}"]
+        x = _dodge(sent[id(group)], same.index(group), len(same))
+        ax.errorbar([x], [loss], yerr=[spread or 0.0], marker="o",
                     capsize=3, linestyle="none", color=colors[label], label=names[label])
     for model, tokens in sorted({r.budget for r in runs if r.is_dp and r.final_val_loss is not None}):
         dp = mean_std([r.final_val_loss for r in runs if r.is_dp and r.budget == (model, tokens)
                         and r.final_val_loss is not None])[0]
-        ax.axhline(dp, color="black", linestyle="--", linewidth=1, label=f"dp tokens={tokens}" if varying else "dp")
+        ax.axhline(dp, color="black", linestyle="--", linewidth=1, label=f"dp ({tokens:,} tokens)")
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(EngFormatter(unit="B", sep=""))
     ax.set_xlabel("slow-link bytes per process per round (measured, or modelled in one process)")
