@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev,torchft,torchtitan]"
 	touch $@
 
-# The quick preset's final validation loss on the CPUs the README names: a CPU's kernels move
+# The quick preset's final validation loss on the CPUs docs/training.md names: a CPU's kernels move
 # the last digits, so `make demo` says whether its run landed within that spread.
 DEMO_SPREAD := 4.4395 4.4408
 DEMO_OUT := runs/isoloco-$(shell date +%Y%m%d-%H%M%S)
@@ -29,7 +29,7 @@ import json, sys
 loss = round(json.load(open(sys.argv[1]))["final_val_loss"], 4)
 low, high = map(float, sys.argv[2:])
 where = "within" if low <= loss <= high else "outside"
-print(f"{loss:.4f} is {where} the spread the README gives across CPUs ({low:.4f} to {high:.4f})"
+print(f"{loss:.4f} is {where} the spread docs/training.md gives across CPUs ({low:.4f} to {high:.4f})"
       + ("" if where == "within" else ": another CPU, thread count or package version can move the last "
          "digits; a difference beyond those suggests a problem"))
 endef

@@ -1,4 +1,4 @@
-r"""Write the report of every folder docs/claims.md quotes, after linking the runs each claim
+r"""Write the report of every folder docs/claims quotes, after linking the runs each claim
 compares into one folder per claim (a *view*), so that one `isoloco report` and its --compare
 see them side by side.
 
@@ -8,12 +8,17 @@ again after the sweeps add runs: it replaces the views' links and rewrites the r
 
     python scripts/claim_reports.py          # every view and report
     python scripts/claim_reports.py main     # one folder's report (and its view, if it is one)
-    python scripts/claim_reports.py --doc docs/claims.md     # then copy the tables into the page
-    python scripts/claim_reports.py --check docs/claims.md   # exit 1 if a table differs from its report
-    python scripts/claim_reports.py --tests docs/claims.md   # every test the page quotes, adjusted together;
-                                                             # then its contrasts, adjusted together
+    python scripts/claim_reports.py --doc docs/claims     # then copy the tables into the pages
+    python scripts/claim_reports.py --check docs/claims   # exit 1 if a table differs from its report
+    python scripts/claim_reports.py --tests docs/claims   # every test the pages quote, adjusted together;
+                                                          # then their contrasts, adjusted together
 
-A table of the page is copied from a report when the line two above it is a marker naming
+--doc, --check and --tests take one page (docs/results.md) or a folder of pages (docs/claims): its
+index, README.md, and then every page the index links to, in the order of their first link there
+(the order --tests counts the tests in); a page of the folder the index does not link to is an
+error. A folder's pages count as one page: a row two of them quote is one test.
+
+A table of a page is copied from a report when the line two above it is a marker naming
 the file and the section (the `## ` heading the table follows), and optionally a regular
 expression that picks the rows: `<!-- table: results/claims/main/compare.md "isoloco − diloco" -->`
 or `<!-- table: results/claims/main/results.md "By method, R and H" rows: ^\| (dp|isoloco) \| -->`.
@@ -224,7 +229,7 @@ COMPRESSED_SETTINGS = ({"quantize": "int8"}, {"quantize": "int8", "feedback": Tr
 #: scripts/link_science.sh's settings other than the exact one, as `link_label` arguments.
 LINK_SETTINGS = ({"quantize": "int8"}, {"quantize": "int8", "feedback": True}, {"quantize": "int4"},
                  {"quantize": "int4", "feedback": True}, {"overlap": 5})
-#: folder -> the --compare pairs of its report (docs/claims.md quotes them).
+#: folder -> the --compare pairs of its report (docs/claims quotes them).
 REPORTS: dict[str, list[str]] = {
     "main": ["isoloco:diloco", "isoloco:dp", "diloco:dp", "isoc:diloco", "isoloco:isoc", "isoloco_fast:isoloco",
              "isoloco_muon:muloco", "isoloco:muloco", "isoloco_muon:isoloco"],
@@ -325,6 +330,40 @@ def report_table(file: Path, section: str, rows: str | None) -> list[str] | None
     body = [line for line in table[2:] if rows is None or re.search(rows, line)]
     marks = tuple(mark for mark in FOOTNOTE_MARKS if any(mark in line for line in body))
     return table[:2] + body + (footnotes(lines, end, marks) if marks else [])
+
+
+#: The index page of a folder of pages (docs/claims): GitHub shows it for the folder.
+INDEX = "README.md"
+
+
+def doc_pages(doc: Path) -> list[Path]:
+    """The pages of `doc`: the page itself, or for a folder its index and then every page of the
+    folder the index links to, in the order of their first link; a page the index does not link
+    to is an error (its tables would count in no order)."""
+    if not doc.is_dir():
+        return [doc]
+    index = doc / INDEX
+    pages = [index]
+    for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)\s]*)?\)", index.read_text()):
+        page = doc / target
+        if page.parent == doc and page.is_file() and page not in pages:
+            pages.append(page)
+    unlinked = sorted(set(doc.glob("*.md")) - set(pages))
+    if unlinked:
+        raise SystemExit(f"error: {index} does not link to {', '.join(map(str, unlinked))}: link every page of "
+                         f"{doc} from its index, where the order of first links is the order its tests count in")
+    return pages
+
+
+def doc_lines(doc: Path) -> list[str]:
+    """The lines of every page of `doc` (`doc_pages`), one page after another."""
+    return [line for page in doc_pages(doc) for line in page.read_text().splitlines()]
+
+
+def sync_doc(doc: Path, write: bool) -> list[tuple[str, str]]:
+    """`sync_tables` on every page of `doc`; each stale marker is named with its page."""
+    return [(f"{page}: {marker}" if page != doc else marker, problem)
+            for page in doc_pages(doc) for marker, problem in sync_tables(page, write)]
 
 
 def sync_tables(doc: Path, write: bool) -> list[tuple[str, str]]:
@@ -450,7 +489,7 @@ def quoted_tests(doc: Path) -> list[dict[str, str | float]]:
     p-value (one seed, an unstable run) is no test. "p" is the report's printed p, "exact" the
     unrounded one (`unrounded_p`)."""
     tests: dict[tuple, dict[str, str | float]] = {}
-    for line in doc.read_text().splitlines():
+    for line in doc_lines(doc):
         marker = MARKER.match(line)
         if not marker or not marker["file"].endswith("compare.md"):
             continue
@@ -478,7 +517,7 @@ def quoted_contrasts(doc: Path) -> list[dict[str, str | float]]:
     contrast.md does not print, recomputed from the runs unrounded (`unrounded_p`). A row with an
     unstable run or one seed is no test."""
     tests: dict[tuple, dict[str, str | float]] = {}
-    for line in doc.read_text().splitlines():
+    for line in doc_lines(doc):
         marker = MARKER.match(line)
         if not marker or not marker["file"].endswith("contrast.md"):
             continue
@@ -554,18 +593,21 @@ def main() -> None:
     parser.add_argument("folders", nargs="*", metavar="FOLDER",
                         help=f"the folders to report (default: all of {', '.join(REPORTS)})")
     parser.add_argument("--root", default="results/claims", help="the folder holding the claims' sweeps")
-    parser.add_argument("--doc", metavar="PAGE", help="copy every marked table of PAGE from its report (no reports run)")
-    parser.add_argument("--check", metavar="PAGE", help="exit 1 when a marked table of PAGE differs from its report")
+    parser.add_argument("--doc", metavar="PAGE", help="copy every marked table of PAGE (a page, or a folder of "
+                                                      "pages such as docs/claims) from its report (no reports run)")
+    parser.add_argument("--check", metavar="PAGE", help="exit 1 when a marked table of PAGE (a page or a folder of "
+                                                        "pages) differs from its report")
     parser.add_argument("--tests", metavar="PAGE", help=f"write {PAGE_TESTS} under --root: every test of the compare "
-                                                        "tables PAGE quotes, adjusted together (Benjamini–Hochberg), "
-                                                        "then its contrasts, adjusted together")
+                                                        "tables PAGE (a page or a folder of pages, counted as one) "
+                                                        "quotes, adjusted together (Benjamini–Hochberg), then its "
+                                                        "contrasts, adjusted together")
     args = parser.parse_args()
     if args.tests:
         (Path(args.root) / PAGE_TESTS).write_text(page_tests_markdown(Path(args.tests)))
         print(f"wrote {Path(args.root) / PAGE_TESTS}")
         return
     if args.doc or args.check:
-        stale = sync_tables(Path(args.doc or args.check), write=bool(args.doc))
+        stale = sync_doc(Path(args.doc or args.check), write=bool(args.doc))
         for marker, problem in stale:
             print(f"{problem}: {marker}")
         raise SystemExit(1 if stale and args.check else 0)

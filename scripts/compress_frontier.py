@@ -1,4 +1,4 @@
-"""The frontier of final loss against bytes for the compress-science view (docs/claims.md,
+"""The frontier of final loss against bytes for the compress-science view (docs/claims/compression.md,
 "Compression at 100×"): per R, one line per method and compressor through its settings, slow-link
 bytes per process per round on a log axis, and each setting's runs that were above the unigram
 loss mid-run.

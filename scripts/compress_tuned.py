@@ -1,4 +1,4 @@
-"""The tuned-per-compressor grid behind "Compression that merging survives" (docs/claims.md).
+"""The tuned-per-compressor grid behind "Compression that merging survives" (docs/claims/compression.md).
 
 For every compressor x method x R, the outer step is chosen on seed 0 from a small grid and
 then evaluated on seeds 1-3, on repro-cpu:

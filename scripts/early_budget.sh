@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind "Early rounds: the budget and robust variants" (docs/claims.md).
+# The runs behind "Early rounds: the budget and robust variants" (docs/claims/early-rounds.md).
 #   budget:   dp, DiLoCo and IsoLoCo on the `quick` preset at R = 2 and 8 for 60, 120 and
 #             210 steps (2, 4 and 7 synchronisations; 210 is the preset's own budget, the
 #             most its data allows without repeating), validation after every round.

@@ -5,7 +5,7 @@ For each matrix of the model, the mean pseudo-gradient M of the first round (R w
 share of ‖M‖² in its top direction, and ‖Iso-C(M)‖ / ‖M‖. Iso-C keeps M's directions but gives
 each the mean singular value, so the top direction of a matrix with σ₁/σ̄ ≫ 1 moves by σ̄
 instead of σ₁. Printed for the paper's 178M learning rates and for the ones tuned for the
-tiny model, as a markdown table (docs/claims.md holds it):
+tiny model, as a markdown table (docs/claims/early-rounds.md holds it):
 
     OMP_NUM_THREADS=1 python scripts/early_rounds.py --workers 8
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Seeds 3 and 4 where a verdict of docs/claims.md hinges on a tie: IsoLoCo against dp at
+# Seeds 3 and 4 where a verdict of docs/claims hinges on a tie: IsoLoCo against dp at
 # R = 1 and 2 (claim 3), IsoLoCo against Iso-C at R = 16 (claim 4), IsoLoCo against tuned
 # MuLoCo at R = 16 (claim 8), each added to the sweep folder of its first three seeds.
 # First it retrains one committed run and stops unless the code gives its final loss exactly

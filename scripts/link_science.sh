@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind "The slow link: compressed and delayed pseudo-gradients" (docs/claims.md):
+# The runs behind "The slow link: compressed and delayed pseudo-gradients" (docs/claims/slow-link.md):
 # DiLoCo and IsoLoCo at R = 8 on repro-cpu, seeds 0-2, each setting in its own sweep folder
 # under results/claims/link/, paired by seed against the exact runs (setting "exact").
 # Finished runs are skipped, so rerunning continues the grid.

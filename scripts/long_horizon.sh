@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind "A longer horizon" (docs/claims.md): repro-cpu trained for 1,800 steps
+# The runs behind "A longer horizon" (docs/claims/longer-horizon.md): repro-cpu trained for 1,800 steps
 # (2.02 epochs of the training split, so the data repeats; 60 synchronisations at H = 30) instead of 480, for
 # dp and each method at the outer setting the strongest-baseline search found best
 # (DiLoCo: momentum 0.3, lr 1.0; IsoLoCo: momentum 0.6, lr 1.5), at R = 1 and 8, seeds 0-2.

@@ -1,4 +1,4 @@
-"""The R-to-128 grid behind "Claims 1-2 to R = 128" (docs/claims.md): dp, tuned DiLoCo and
+"""The R-to-128 grid behind "Claims 1-2 to R = 128" (docs/claims/claims-1-3.md): dp, tuned DiLoCo and
 tuned IsoLoCo at R in {1, 2, 4, 8, 16, 32, 64, 128} on the repro-cpu-r128 preset.
 
     OMP_NUM_THREADS=1 python scripts/r128_grid.py [--out DIR] [--lanes N] [--dry-run]

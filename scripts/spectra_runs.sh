@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind "The interference, measured" (docs/claims.md): DiLoCo with log.spectra=true
+# The runs behind "The interference, measured" (docs/claims/interference.md): DiLoCo with log.spectra=true
 # at R = 2, 4, 8, 16 (H = 30) and at H = 60, 120 (R = 8), and IsoLoCo at R = 8, seed 0, on
 # repro-cpu, under results/claims/spectra/. Finished runs are skipped.
 set -euo pipefail

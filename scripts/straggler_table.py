@@ -1,4 +1,4 @@
-"""The stragglers-science view in one table (docs/claims.md, "Stragglers and late workers"):
+"""The stragglers-science view in one table (docs/claims/stragglers.md, "Stragglers and late workers"):
 per method and setting, how much of a round's training it keeps, its final loss, what it costs
 against the method's fault-free runs, the contrast of the two methods' costs, IsoLoCo − DiLoCo
 under it, and each remedy against the setting it is held against (`STRAGGLER_REMEDIES`).

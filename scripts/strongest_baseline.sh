@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The outer-optimizer searches behind "The strongest mean baseline" (docs/claims.md):
+# The outer-optimizer searches behind "The strongest mean baseline" (docs/claims/strongest-baseline.md):
 # DiLoCo's outer lr x Nesterov momentum, DiLoCo-SGD's lr (momentum 0), and the same search
 # for IsoLoCo, at R = 8, 16 and 1 on repro-cpu, seed 0. One sweep folder per setting under
 # results/claims/strongest/; finished runs are skipped, so rerunning continues the grid.

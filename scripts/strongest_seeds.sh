@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 3 seeds behind "The strongest mean baseline" (docs/claims.md): each method at the
+# The 3 seeds behind "The strongest mean baseline" (docs/claims/strongest-baseline.md): each method at the
 # outer setting its search (scripts/strongest_baseline.sh) found best, at every R of
 # repro-cpu, in that setting's sweep folder (seed 0 at R = 1, 8, 16 is the search's own run).
 # SETTINGS: "method:folder-suffix:overrides" entries; finished runs are skipped.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `scripts/tuned_science.sh GRID`: the runs behind a section of docs/claims.md that compares
+# `scripts/tuned_science.sh GRID`: the runs behind a page of docs/claims that compares
 # tuned DiLoCo (Nesterov, momentum 0.3, lr 1.0) with tuned IsoLoCo (momentum 0.6, lr 1.5), the
 # outer steps the strongest-baseline search chose on seed 0, on repro-cpu, evaluated on seeds
 # 1-3 (seed 0 chose them). GRID picks the settings and the workers:

@@ -1,4 +1,4 @@
-"""scripts/claim_reports.py: the tables of docs/claims.md are copies of the reports' tables."""
+"""scripts/claim_reports.py: the tables of docs/claims (and docs/results.md) are copies of the reports' tables."""
 
 import importlib.util
 import math
@@ -169,6 +169,27 @@ def test_the_page_tests_are_adjusted_together_each_once_from_unrounded_p(doc):
         ("8", "0.0059"), ("2", "0.0618"), ("4", "1.0000"), ("16", "1.0000")]  # every test, by adjusted p
 
 
+def test_a_folder_of_pages_counts_its_tests_as_one_page(doc):
+    """The pair's rows quoted on two pages of a folder count once, as on one page: the same four tests,
+    adjusted together, whichever page quotes them."""
+    from test_report import _paired_grid
+
+    from isoloco.report import compare_markdown, load_runs
+
+    folder = Path("grid")
+    _paired_grid(folder, PAGE_DIFFERENCES)
+    (folder / "compare.md").write_text(compare_markdown(load_runs(folder), [("isoloco", "diloco"), ("diloco", "dp")]))
+    pages = Path("claims")
+    pages.mkdir()
+    (pages / "README.md").write_text('[the pair](pair.md)\n\n<!-- table: grid/compare.md "isoloco − diloco" -->\n\n'
+                                     "| x |\n")
+    (pages / "pair.md").write_text('<!-- table: grid/compare.md "Every pair" rows: isoloco -->\n\n| x |\n')
+    doc.write_text((pages / "README.md").read_text() + "\n" + (pages / "pair.md").read_text())
+    script = _script()
+    assert script.quoted_tests(pages) == script.quoted_tests(doc) and len(script.quoted_tests(pages)) == 4
+    assert script.page_tests_markdown(pages).replace("claims", "page.md") == script.page_tests_markdown(doc)
+
+
 def test_a_quoted_test_its_runs_no_longer_give_is_an_error(doc):
     from test_report import _paired_grid
 
@@ -183,11 +204,39 @@ def test_a_quoted_test_its_runs_no_longer_give_is_an_error(doc):
         _script().quoted_tests(doc)
 
 
-@pytest.mark.parametrize("page", ["docs/claims.md", "docs/results.md"])
+@pytest.mark.parametrize("page", ["docs/claims", "docs/results.md"])
 def test_the_docs_tables_match_the_committed_reports(page):
     done = subprocess.run([sys.executable, str(SCRIPT), "--check", page], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "<!-- table: " in (ROOT / page).read_text()  # the page has tables to check
+    pages = _script().doc_pages(ROOT / page)
+    assert "<!-- table: " in "".join(path.read_text() for path in pages)  # the pages have tables to check
+
+
+def test_every_claims_page_is_read_and_the_index_first():
+    pages = _script().doc_pages(ROOT / "docs" / "claims")
+    assert pages[0].name == "README.md" and set(pages) == set((ROOT / "docs" / "claims").glob("*.md"))
+
+
+def test_a_folder_is_its_index_then_the_pages_it_links_in_order_of_first_link(doc):
+    """--doc and --check on a folder sync every page; a page the index does not link to is an error."""
+    folder = Path("claims")
+    folder.mkdir()
+    stale_table = '<!-- table: report.md "Every run" -->\n\n| run | loss |\n|---|---|\n| dp-s0 | 3.9 |\n'
+    (folder / "README.md").write_text("* [B](b.md)\n* [A](a.md#a), [B again](b.md)\n\n" + stale_table)
+    (folder / "a.md").write_text("# A\n\n" + stale_table)
+    (folder / "b.md").write_text("# B\n")
+    script = _script()
+    assert [page.name for page in script.doc_pages(folder)] == ["README.md", "b.md", "a.md"]
+    assert [marker.split(": ")[0] for marker, _ in script.sync_doc(folder, write=False)] == ["claims/README.md",
+                                                                                            "claims/a.md"]
+    done = subprocess.run([sys.executable, str(SCRIPT), "--doc", str(folder)], capture_output=True, text=True)
+    assert done.returncode == 0 and "| dp-s0 | 4.0 |" in (folder / "a.md").read_text()
+    assert script.sync_doc(folder, write=False) == []
+    (folder / "c.md").write_text("# C\n")
+    with pytest.raises(SystemExit, match="does not link to claims/c.md"):
+        script.doc_pages(folder)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--check", str(folder)], capture_output=True, text=True)
+    assert done.returncode != 0 and "does not link to claims/c.md" in done.stderr
 
 
 #: (isoloco int8 − isoloco) and (diloco int8 − diloco) per R and seed: what int8 costs each method.

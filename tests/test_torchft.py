@@ -276,7 +276,7 @@ def test_the_example_trains_every_rule(method):
 
 
 def test_two_machines_on_distinct_loopback_addresses_train_as_one_job():
-    """The README's two-machine recipe, each "machine" an address of its own (127.0.0.2 runs the
+    """docs/torchft.md's two-machine recipe, each "machine" an address of its own (127.0.0.2 runs the
     lighthouse and group 0, 127.0.0.3 group 1): both commit every outer step and end equal."""
     import subprocess
     import sys

@@ -261,7 +261,7 @@ class TrainConfig:
 
 #: The largest share of a round τ/H (outer.overlap_steps/inner_steps) the docs measured as
 #: harmless: τ = 5 of H = 30 left IsoLoCo's final loss equivalent within ±1% to τ = 0 at R = 8
-#: and DiLoCo's not distinguishable from it (docs/claims.md, "The slow link"), while τ = 5 of
+#: and DiLoCo's not distinguishable from it (docs/claims/slow-link.md), while τ = 5 of
 #: H = 10 ended above the unigram baseline and the loss worsened steadily with τ/H (a user's report).
 SAFE_OVERLAP = Fraction(1, 6)
 
@@ -283,7 +283,7 @@ def run_warnings(cfg: TrainConfig, islands: int) -> list[str]:
     return lines
 
 
-#: The outer lr chosen on seed 0 for SparseLoCo's methods on the tiny model, by R (the README's
+#: The outer lr chosen on seed 0 for SparseLoCo's methods on the tiny model, by R (docs/slow-link.md's
 #: compressor table; results/claims/compress-tuned/selection.md).
 SPARSELOCO_TUNED_LR = {"sparseloco": {8: 0.5, 16: 0.3}, "sparseloco_isoc": {8: 2.0, 16: 1.5}}
 
@@ -294,15 +294,15 @@ def divergence_causes(cfg: TrainConfig) -> str:
     causes = []
     if cfg.merge.compress != "none" and cfg.algorithm == "diloco":
         causes.append(f"merge.compress={cfg.merge.compress} (low rank and top-k each ended above it in runs on the "
-                      "tiny model; docs/claims.md, \"Compression at 100×\")")
+                      "tiny model; docs/claims/compression.md)")
     if cfg.outer.transport == "sparseloco" and cfg.algorithm == "diloco":
         tuned = SPARSELOCO_TUNED_LR.get(cfg.method)
         if tuned:
             said = ", ".join(f"{lr:g} at R = {workers}" for workers, lr in tuned.items())
-            step = (f"its step tuned on the tiny model is outer.lr={said} (the README's compressor table; "
+            step = (f"its step tuned on the tiny model is outer.lr={said} (docs/slow-link.md's compressor table; "
                     "results/claims/compress-tuned/selection.md)")
         else:
-            step = "the tuned SparseLoCo rows of the README's compressor table lower outer.lr"
+            step = "the tuned SparseLoCo rows of docs/slow-link.md's compressor table lower outer.lr"
         causes.append(f"SparseLoCo (outer.transport=sparseloco) at outer.lr={cfg.outer.lr:g}: {step}")
     if Fraction(cfg.outer.overlap_steps, cfg.inner_steps) > SAFE_OVERLAP:
         causes.append(f"outer.overlap_steps={cfg.outer.overlap_steps} with inner_steps={cfg.inner_steps} "
