@@ -74,6 +74,7 @@ def write_selection(out: Path, searches: list[Search]) -> None:
              "`python scripts/r128_grid.py` writes this file: seed 0's final validation loss at every step tried "
              "(dp: its inner lr; DiLoCo and IsoLoCo: Nesterov's momentum μ and outer lr), in the order tried, the "
              "chosen one in bold; seeds 1-3 ran at it (R <= 32 at R = 16's choice, R >= 64 at R = 128's).", "",
+             "## Seed 0 of every search", "",
              "| method | searched at R | step: final loss (seed 0) | chosen |", "|---|---|---|---|"]
     lines += selection_rows(searches, lambda search: f"{search.method} | {search.workers}")
     (out / "selection.md").write_text("\n".join(lines) + "\n")
