@@ -2,6 +2,7 @@
 
 import importlib.util
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -285,3 +286,21 @@ def test_the_page_contrasts_are_adjusted_together_each_once(doc):
     adjusted = _plain_bh(exact)
     assert [(row[2], row[6], row[7]) for row in rows] == sorted(
         ((r, f"{p:.3f}", f"{adj:.4f}") for r, p, adj in zip(("2", "4", "8"), exact, adjusted)), key=lambda row: row[2])
+
+
+#: A page-wide adjusted p quoted in prose: "adjusted p 0.0206", "(called, 0.0132", "0.0876 page-wide".
+QUOTED_ADJUSTED_P = re.compile(r"(?:adjusted(?: p)?|called,|page's contrasts,|the page-wide adjustment,|"
+                               r"the page-wide one \(|report,|report and)\s+(0\.\d{4})\b|(0\.\d{4})\s+page-wide")
+
+
+def test_every_adjusted_p_the_prose_quotes_is_one_the_page_wide_adjustment_gives():
+    """The claims pages and the README quote page-wide adjusted p-values in their sentences; each
+    must be one that results/claims/page-tests.md holds, so that adding tests to the page (which
+    moves every adjusted p) cannot leave a sentence quoting a value no longer given."""
+    root = Path(__file__).resolve().parents[1]
+    given = set(re.findall(r"\| (0\.\d{4}) \|", (root / "results" / "claims" / "page-tests.md").read_text()))
+    quoted = [(page.name, match[1] or match[2]) for page in [*sorted((root / "docs" / "claims").glob("*.md")),
+                                                              root / "README.md"]
+              for match in QUOTED_ADJUSTED_P.finditer(page.read_text())]
+    assert len(quoted) >= 15  # the pattern still finds the quotes
+    assert [(page, p) for page, p in quoted if p not in given] == []
