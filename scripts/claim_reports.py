@@ -112,6 +112,9 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
                    ("early-budget/repro-cpu-*", "*-R8-H30-s*", "{sweep}-")],
     # 1,800 steps instead of 480 (scripts/long_horizon.sh).
     "long-horizon": [("long-horizon/*", "*-s*", "{sweep}-")],
+    # The R-to-128 grid (scripts/r128_grid.py): dp and both methods at each R, seeds 1-3.
+    "r128-grid": [("r128/dp", "dp-s[123]", ""), ("r128/diloco-R*", "diloco-R*-s[123]", ""),
+                  ("r128/isoloco-R*", "isoloco-R*-s[123]", "")],
     "tune-muon-r8": [("main", "dp-s0", ""), ("main", "isoloco-R8-H30-s0", ""), ("tune/muon-r8", "*-R8-H30-s0", ""),
                      *[(f"tune/isoloco_muon-lr{lr}", "isoloco_muon-*", f"lr{lr}-") for lr in ("0.4", "0.7", "1.2")],
                      *[(f"tune/muloco-lr{lr}", "muloco-*", f"lr{lr}-") for lr in ("0.4", "1.0", "1.4", "2.0")]],
@@ -138,6 +141,9 @@ def link_view(root: Path, view: str) -> int:
 NS_RMS = "isoloco_fast merge.ortho=newton_schulz merge.scale=rms"
 
 
+#: Each method's outer step chosen at R = 16 in the R-to-128 grid (results/claims/r128/selection.md),
+#: which its runs at R <= 32 take, as the r128-grid report labels them.
+R16_DILOCO, R16_ISOLOCO = "diloco outer.lr=1.0 outer.momentum=0.6", "isoloco outer.lr=1.5 outer.momentum=0.6"
 #: Each method's best outer setting in strongest-search, as the strongest-seeds report labels it.
 TUNED_DILOCO, TUNED_ISOLOCO = "diloco outer.lr=1.0 outer.momentum=0.3", "isoloco outer.lr=1.5 outer.momentum=0.6"
 
@@ -269,6 +275,7 @@ REPORTS: dict[str, list[str]] = {
     "r1-fedavg": [f"{TUNED_ISOLOCO}:diloco_sgd", "isoloco outer.lr=1.2 outer.momentum=0.8:diloco_sgd",
                   f"diloco_sgd:{TUNED_DILOCO}", "diloco_sgd:dp"],
     "claim4-tuned": ["isoloco:isoc outer.lr=2.1", "isoloco:isoc outer.lr=3.0"],
+    "r128-grid": [f"{R16_ISOLOCO}:{R16_DILOCO}", f"{R16_DILOCO}:dp", f"{R16_ISOLOCO}:dp"],
     "compressed-science": tuned_pairs(compressed_label, COMPRESSED_SETTINGS, head_to_head=False),
     "compress-science": tuned_pairs(compress_label, COMPRESS_SETTINGS),
     "lossless-science": tuned_pairs(compressed_label, tuple(kw for kw in COMPRESSED_SETTINGS if kw.get("feedback"))),

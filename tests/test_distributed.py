@@ -67,8 +67,11 @@ SLOW_LINK = {"method": "diloco", "dist.emulate_link": "1,150"}
 #: process with no worker merged sends zeros that the gather drops, and carried deltas join.
 STRAGGLERS = {"method": "tsv", "seed": 141, "worker_speeds": "1,0.5", "merge.weighting": "tokens",
               "faults.late_rate": 0.4, "faults.late": "carry"}
+#: Two islands of two workers with int8 sums: the simulator plays the job's islands (`islands=2`).
+PLAYED_ISLANDS = {"method": "diloco", "merge.quantize": "int8", "merge.error_feedback": True, "islands": 2,
+                  "seed": 141, "faults.late_rate": 0.4}
 CASES = {**{name: {"workers": 4, **o} for name, o in
-            {**RULES, "mean_slow_link": SLOW_LINK, "stragglers": STRAGGLERS}.items()},
+            {**RULES, "mean_slow_link": SLOW_LINK, "stragglers": STRAGGLERS, "played_islands": PLAYED_ISLANDS}.items()},
          "dp": {"method": "dp"}}
 
 
@@ -180,6 +183,20 @@ def test_two_processes_train_what_one_process_trains(two_process_runs, one_proce
     assert [m["train_loss"] for m in ours] == pytest.approx([m["train_loss"] for m in theirs], rel=1e-5)
     assert ours[-1]["val_loss"] == pytest.approx(theirs[-1]["val_loss"], rel=1e-5)
     assert ckpt.verify(ckpt.latest_checkpoint(two_process_runs / case / "checkpoints"))["layout"]["processes"] == 2
+
+
+def test_the_simulator_playing_two_islands_trains_the_bits_of_a_two_island_job(two_process_runs, one_process_runs):
+    """`islands=2`, 4 workers, int8 sums with error feedback, workers late: each island encodes
+    its two workers' sum in the simulator as in a job of two processes, so the runs end with
+    the same bits, and the simulator's modelled slow-link bytes are the job's measured ones."""
+    reference = one_process_runs["played_islands"]
+    ours = final_params(two_process_runs / "played_islands")
+    assert all(torch.equal(ours[name], param) for (name, _), param in zip(reference.named_params,
+                                                                         reference.global_params))
+    assert counts(reference.out_dir, "slow_link_bytes") == counts(two_process_runs / "played_islands",
+                                                                  "slow_link_bytes")
+    late = [m.get("late_workers") for m in read_metrics(reference.out_dir / "metrics.jsonl")]
+    assert any(late), "seed 141 draws late workers"
 
 
 def test_late_workers_are_drawn_alike_in_every_layout(two_process_runs, one_process_runs):
@@ -584,10 +601,22 @@ def test_layout_places_workers_in_islands_of_consecutive_ranks():
     (4, {"workers": 2, "gpus_per_worker": 2, "global_batch": 6}, "multiple of 4"),
     (3, {"method": "dp"}, "multiple of 3"),
     (2, {"workers": 2, "gpus_per_worker": 2, "micro_batch": 3, "global_batch": 8}, "micro_batch=3"),
+    (2, {"workers": 4, "islands": 4}, r"this job's 2 islands .*isoloco launch --nproc 4"),
+    (4, {"workers": 2, "gpus_per_worker": 2, "islands": 1}, r"launch 2 processes \(isoloco launch --nproc 2\)"),
 ])
 def test_layouts_that_do_not_fit_are_config_errors(world_size, overrides, words):
     with pytest.raises(ConfigError, match=words):
         layout(world_size, **overrides)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"method": "dp", "islands": 2}, "dist.islands=2 is not allowed with algorithm=dp"),
+    ({"workers": 6, "global_batch": 12, "islands": 4}, "set dist.islands to a divisor of 6"),
+    ({"islands": -1}, "dist.islands"),
+])
+def test_islands_that_cannot_be_played_are_refused_before_training(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        resolve(None, {**SMALL, **overrides})
 
 
 def test_one_process_with_gpus_per_worker_says_how_to_launch(tmp_path):

@@ -6,6 +6,7 @@ The oracles are float64 sums of what the workers meant and plain loops (`helpers
 the processes are threads (`helpers.ProcessGroup`), islands of one or two of them."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -49,11 +50,12 @@ def zeros(workers: int) -> dict[str, list[torch.Tensor]]:
     return {name: [torch.zeros(shape) for _ in range(workers)] for name, shape in SHAPES.items()}
 
 
-def simulate(cfg: MergeConfig, workers: int, rounds: int, arrived=None, fetch=None, seed: int = 0):
-    """The simulator (every worker an island, played in this process) over `rounds` rounds.
-    Yields (round, deltas, merged, residuals) after each round; `arrived(t)` names the workers
-    that arrive in round t (all by default)."""
-    merger = Merger(cfg, LocalCommunicator(workers), seed=3)
+def simulate(cfg: MergeConfig, workers: int, rounds: int, arrived=None, fetch=None, seed: int = 0, islands: int = 0):
+    """The simulator (`islands` islands of consecutive workers, by default every worker an
+    island, played in this process) over `rounds` rounds. Yields (round, deltas, merged,
+    residuals) after each round; `arrived(t)` names the workers that arrive in round t (all by
+    default); the residuals of an island are its first worker's."""
+    merger = Merger(cfg, LocalCommunicator(workers, islands=islands), seed=3)
     residuals = zeros(workers)
     for t in range(rounds):
         deltas = round_deltas(workers, seed * 1000 + t)
@@ -85,6 +87,25 @@ def test_error_feedback_loses_nothing_over_fifty_rounds(compressor, fmt, islands
         kept = sum(r.double() for r in residuals[name])
         scale = meant[name].abs().max()
         assert (delivered[name] + kept - meant[name]).abs().max() <= 1e-5 * scale * 50, (name, compressor, fmt)
+
+
+@pytest.mark.parametrize("compressor", sorted(COMPRESSORS))
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_islands_of_several_workers_lose_nothing_with_late_workers(compressor, fmt):
+    """Three played islands of two workers over thirty rounds, some workers late (an island
+    with one of its two, an island with none): Σ delivered = Σ meant by the arrived − Σ of the
+    islands' residuals (their first workers'), in float64; the others' residuals are never
+    touched."""
+    late = {0: [1], 1: [2, 3], 2: [], 3: [0, 5]}
+    came = (lambda t: [w for w in range(6) if w not in late[t % 4]])
+    meant = delivered = 0
+    for t, deltas, merged, residuals in simulate(config(compressor, fmt), 6, 30, arrived=came, islands=3):
+        arrived = came(t)
+        meant = meant + sum(deltas["wide.weight"][w].double() for w in arrived)
+        delivered = delivered + merged["wide.weight"].double() * len(arrived)
+    kept = sum(residuals["wide.weight"][head].double() for head in (0, 2, 4))
+    assert all(not residuals["wide.weight"][w].any() for w in (1, 3, 5))
+    assert (delivered + kept - meant).abs().max() <= 1e-5 * meant.abs().max() * 30, (compressor, fmt)
 
 
 @pytest.mark.parametrize("islands", [4, 8])
@@ -222,38 +243,38 @@ def test_low_rank_factors_are_made_where_the_merge_computes(monkeypatch):
     the GPU, where the merge computes: the first round's warm-start factors must be made there,
     not where the deltas are stored, or the first product X·Q mixes devices. Played here with
     deltas stored on the CPU and fetched to the meta device."""
-    from isoloco import merge
+    from isoloco.sync import slowlink
 
     made: list[str] = []
-    island_phase = merge.island_phase
+    island_phase = slowlink.island_phase
 
     def spy(link, island, plan, compression, factors):
         made.extend(factor.device.type for factor in factors.values())
         return island_phase(link, island, plan, compression, factors)
 
-    monkeypatch.setattr(merge, "island_phase", spy)
+    monkeypatch.setattr(slowlink, "island_phase", spy)
     merger = Merger(MergeConfig(rule="mean", quantize="int8", **COMPRESSORS["lowrank"]), LocalCommunicator(4), seed=3)
     merged = run_to_end(merger.start(round_deltas(4, 0), 0, fetch=lambda stored: stored.to("meta")).steps)
     assert made and set(made) == {"meta"}, made
     assert {t.device.type for t in merged.values()} == {"meta"}
-    assert {f.device.type for f in merger.factors.values()} == {"meta"}
+    assert {f.device.type for f in merger.link.factors.values()} == {"meta"}
 
 
 # -- one code path ------------------------------------------------------------------------------------
 
 
-def thread_rounds(cfg: MergeConfig, islands: int, slices: int, rounds: int, arrived) -> list:
-    """Islands of `slices` thread-processes each (one worker per island) over `rounds` rounds:
-    each process's merged tensors and residuals, per round."""
-    comms = ProcessGroup(islands * slices).communicators(1, slices)
+def thread_rounds(cfg: MergeConfig, islands: int, slices: int, rounds: int, arrived, per_island: int = 1) -> list:
+    """Islands of `slices` thread-processes each (`per_island` workers per island) over `rounds`
+    rounds: each process's merged tensors and residuals, per round."""
+    comms = ProcessGroup(islands * slices).communicators(per_island, slices)
     mergers = [Merger(cfg, comm, seed=3) for comm in comms]
-    residuals = [zeros(islands) for _ in comms]  # each process holds its own copy of every island's
+    residuals = [zeros(islands * per_island) for _ in comms]  # each process holds its own copy of every worker's
     out: list = [[None] * len(comms) for _ in range(rounds)]
 
     def run(rank: int) -> None:
         ids = comms[rank].local_worker_ids
         for t in range(rounds):
-            deltas = round_deltas(islands, t)
+            deltas = round_deltas(islands * per_island, t)
             mine = {name: [ds[w] for w in ids] for name, ds in deltas.items()}
             kept = {name: [rs[w] for w in ids] for name, rs in residuals[rank].items()}
             merged = run_to_end(mergers[rank].start(mine, t, residuals=kept,
@@ -281,6 +302,25 @@ def test_processes_give_the_simulators_bits_with_late_workers(compressor, fmt, s
             for name in SHAPES:
                 assert torch.equal(got[name], merged[name]), (t, rank, name)
                 assert torch.equal(kept[name][0], residuals[name][island]), (t, rank, name)
+
+
+@pytest.mark.parametrize("compressor", sorted(COMPRESSORS))
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_processes_of_two_workers_give_the_bits_of_the_simulator_playing_their_islands(compressor, fmt):
+    """`islands=4` with 8 workers: the simulator plays 4 islands of 2 workers, and 4 processes of
+    2 workers end every round with its merge and its islands' residuals, bit for bit, with an
+    island of one arrived worker and one of none. Against every worker an island of its own
+    the sums differ: the islands really are encoded whole."""
+    cfg = config(compressor, fmt)
+    arrived = (lambda t: [0, 3, 4, 5] if t % 2 else [1, 2, 3, 6, 7])
+    spread = thread_rounds(cfg, 4, 1, 3, arrived, per_island=2)
+    unplayed = list(simulate(cfg, 8, 3, arrived=arrived))
+    for t, _, merged, residuals in simulate(cfg, 8, 3, arrived=arrived, islands=4):
+        assert not all(torch.equal(merged[name], unplayed[t][2][name]) for name in SHAPES), t
+        for rank, (got, kept) in enumerate(spread[t]):
+            for name in SHAPES:
+                assert torch.equal(got[name], merged[name]), (t, rank, name)
+                assert torch.equal(kept[name][0], residuals[name][2 * rank]), (t, rank, name)
 
 
 def test_the_simulators_compressed_merge_works_linearly_in_the_islands(monkeypatch):
@@ -456,8 +496,14 @@ GLOO_CASES = {f"{compressor}-{fmt}": config(compressor, fmt) for compressor, fmt
               [("dense", "int8"), ("dense", "int4"), ("lowrank", "int8"), ("topk", "int4")]}
 
 
-def gloo_arrivals(t: int) -> list[int]:
-    return [1, 2, 3] if t % 2 == 0 else [0, 2]  # two of four workers arrive in odd rounds
+#: Workers per process: one (every worker an island), and two (`islands=4` with 8 workers).
+GLOO_WORKERS = (1, 2)
+
+
+def gloo_arrivals(t: int, per_island: int = 1) -> list[int]:
+    if per_island == 1:
+        return [1, 2, 3] if t % 2 == 0 else [0, 2]  # two of four workers arrive in odd rounds
+    return [1, 2, 3, 6, 7] if t % 2 == 0 else [0, 3, 4, 5]  # island 3 has none in odd rounds, 0 one
 
 
 def _gloo_islands(rank: int, world_size: int, port: int, root: str) -> None:
@@ -469,34 +515,37 @@ def _gloo_islands(rank: int, world_size: int, port: int, root: str) -> None:
     cfg = resolve(None, {**SMALL, "method": "diloco", "workers": world_size, "dist.timeout_s": 60})
     out = {}
     with process_group(cfg):
-        for case, merge_cfg in GLOO_CASES.items():
-            comm = Distributed(cfg).comm
+        for (case, merge_cfg), per_island in itertools.product(GLOO_CASES.items(), GLOO_WORKERS):
+            workers = world_size * per_island
+            comm = Distributed(dataclasses.replace(cfg, workers=workers, global_batch=workers)).comm
             merger = Merger(merge_cfg, comm, seed=3)
-            residuals = zeros(world_size)
+            residuals = zeros(workers)
             ids = comm.local_worker_ids
             for t in range(3):
-                deltas = round_deltas(world_size, t)
+                deltas = round_deltas(workers, t)
                 kept = {name: [rs[w] for w in ids] for name, rs in residuals.items()}
+                came = Participation(tuple(gloo_arrivals(t, per_island)))
                 merged = run_to_end(merger.start({name: [ds[w] for w in ids] for name, ds in deltas.items()}, t,
-                                                 residuals=kept,
-                                                 participation=Participation(tuple(gloo_arrivals(t)))).steps)
-                out[(case, t)] = (merged, {name: [r.clone() for r in rs] for name, rs in kept.items()})
+                                                 residuals=kept, participation=came).steps)
+                out[(case, per_island, t)] = (merged, {name: [r.clone() for r in rs] for name, rs in kept.items()})
     torch.save(out, f"{root}/islands.{rank}.pt")
 
 
 @pytest.mark.multiprocess
 def test_four_gloo_processes_give_the_simulators_bits_with_late_workers(tmp_path):
-    """Four islands of one gloo process each against the simulator, two of four workers arrived
-    in odd rounds, int8 and int4 dense sums, low rank and top-k, with error feedback: the same
-    merged bits and residuals on every process, every round."""
+    """Four islands of one gloo process each, of one worker and of two, against the simulator
+    playing those islands (`islands=4` with 8 workers), workers late in alternate rounds, int8
+    and int4 dense sums, low rank and top-k, with error feedback: the same merged bits and
+    island residuals on every process, every round."""
     from test_distributed import run_processes
 
     run_processes(_gloo_islands, 4, str(tmp_path))
     ranks = [torch.load(tmp_path / f"islands.{rank}.pt") for rank in range(4)]
-    for case, merge_cfg in GLOO_CASES.items():
-        for t, _, merged, residuals in simulate(merge_cfg, 4, 3, arrived=gloo_arrivals):
+    for (case, merge_cfg), per_island in itertools.product(GLOO_CASES.items(), GLOO_WORKERS):
+        for t, _, merged, residuals in simulate(merge_cfg, 4 * per_island, 3, islands=4,
+                                                arrived=lambda t: gloo_arrivals(t, per_island)):
             for rank, got in enumerate(ranks):
-                merged_here, kept = got[(case, t)]
+                merged_here, kept = got[(case, per_island, t)]
                 for name in SHAPES:
-                    assert torch.equal(merged_here[name], merged[name]), (case, t, rank, name)
-                    assert torch.equal(kept[name][0], residuals[name][rank]), (case, t, rank, name)
+                    assert torch.equal(merged_here[name], merged[name]), (case, per_island, t, rank, name)
+                    assert torch.equal(kept[name][0], residuals[name][rank * per_island]), (case, t, rank, name)

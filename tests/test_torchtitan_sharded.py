@@ -1,7 +1,9 @@
 """Iso-C of matrices sharded inside a replica group (`isoloco.torchtitan.sharded`): `IsoLoCo`
-stepping on DTensors sharded over 2 gloo processes equals `IsoLoCo` on the whole plain tensors.
+stepping on DTensors sharded over 2 gloo processes equals `IsoLoCo` on the whole plain tensors,
+and so does the outer optimizer the torchtitan binding builds for a fragment of such DTensors
+(`isoloco.torchtitan.diloco.fragment_outer_optimizer`).
 
-Needs torch only (no torchtitan): the processes are started here, as FSDP's would be.
+Needs torch and torchft (no torchtitan): the processes are started here, as FSDP's would be.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ pytestmark = [pytest.mark.multiprocess]
 SHAPES = {"uneven": (7, 5), "wide": (6, 10), "tall": (12, 4), "gain": (9,)}
 STEPS = 3
 SETTINGS = {"gradient": {"placement": "gradient"}, "update": {"placement": "update"},
-            "fast": {"placement": "gradient", "settings": IsoSettings(ortho="newton_schulz", scale="rms")}}
+            "fast": {"placement": "gradient", "settings": IsoSettings(ortho="newton_schulz", scale="rms")},
+            "binding": {"placement": "gradient"}}
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -36,6 +39,8 @@ def _rank(rank: int, store: str, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from isoloco.torchtitan.diloco import fragment_outer_optimizer
+    from isoloco.torchtitan.settings import OuterSettings
     from isoloco.torchtitan.sharded import whole_matrices
 
     torch.set_num_threads(1)
@@ -48,7 +53,10 @@ def _rank(rank: int, store: str, out: Path) -> None:
             sharded = {n: torch.nn.Parameter(distribute_tensor(t.detach().clone(), mesh, [Shard(0)]))
                        for n, t in plain.items()}
             reference = IsoLoCo(plain.values(), lr=0.5, momentum=0.8, **kwargs)
-            ours = IsoLoCo(sharded.values(), lr=0.5, momentum=0.8, shard_map=whole_matrices, **kwargs)
+            if name == "binding":  # what torchtitan's DiLoCo steps: the binding's outer optimizer
+                ours = fragment_outer_optimizer(list(sharded.items()), OuterSettings(lr=0.5, momentum=0.8))
+            else:
+                ours = IsoLoCo(sharded.values(), lr=0.5, momentum=0.8, shard_map=whole_matrices, **kwargs)
             for step in range(STEPS):
                 for n, grad in _tensors(step + 1).items():
                     plain[n].grad = grad

@@ -85,7 +85,8 @@ class SlowLinkModel:
         merge, tiling = cfg.merge, cfg.outer.tiling
         float32 = wire_bytes_per_merge(shapes, MergeConfig(bucket_mb=merge.bucket_mb), islands, slices=slices)
         if tiling is not None:
-            return cls(sparseloco.wire_bytes_per_merge(shapes, tiling, islands) / slices, float32)
+            return cls(sparseloco.wire_bytes_per_merge(shapes, tiling, islands, cfg.workers // islands) / slices,
+                       float32)
         if [phase.collective for phase in RULES[merge.rule].phases((256, 256), 2, merge.knobs)] != ["sum"]:
             return cls(None, None)
         return cls(wire_bytes_per_merge(shapes, merge, islands, names, slices), float32)
@@ -213,11 +214,11 @@ class DiLoCo(Algorithm):
         #: The last round's late workers, and those of its merged workers whose carried deltas joined (global ids).
         self.late: list[int] = []
         self.carried_joined: list[int] = []
-        # The simulator's slow link is modelled as its merge's bits are: R islands of one worker
-        # each; a job's is measured, and float32's modelled for its layout.
+        # The simulator's slow link is modelled as its merge's bits are: the islands it plays
+        # (`dist.islands`); a job's is measured, and float32's modelled for its layout.
         layout = dist.layout
         self.slow_link = SlowLinkModel.of(cfg, self.names, [p.shape for p in self.params],
-                                          *((cfg.workers, 1) if dist.world_size == 1
+                                          *((dist.comm.played_islands, 1) if dist.world_size == 1
                                             else (layout.islands, layout.group_size)))
         self.in_flight = (InFlight(self._buffers(), self.global_params, device, cfg.outer.overlap_steps)
                           if cfg.outer.overlap_steps else None)

@@ -119,7 +119,8 @@ def train_help(parser: argparse.ArgumentParser, cfg: TrainConfig, items: list[st
         "Learning rates: each method sets the paper's values for its 178M model; the quick and repro-cpu "
         "presets replace them with values tuned for the tiny model (inner.lr 0.016; outer.lr 1.2 for isoloco). "
         "`isoloco train PRESET method=M --help` shows what a run would use.\n"
-        "`data=X` is short for `data.source=X`, `gpus_per_worker=G` for `dist.gpus_per_worker=G`.")
+        "`data=X` is short for `data.source=X`, `gpus_per_worker=G` for `dist.gpus_per_worker=G`, `islands=P` "
+        "for `dist.islands=P`.")
     return parser.format_help()
 
 
@@ -255,7 +256,9 @@ def _slow_link_said(summary: dict[str, Any], cfg: TrainConfig) -> str:
     if fewer is None:
         return "no slow link (one island)"
     source = summary["slow_link_bytes_source"]
-    where = f"{cfg.workers} islands of one worker each" if source == "modelled" else "this layout"
+    islands = cfg.dist.islands or cfg.workers
+    each = "one worker" if islands == cfg.workers else f"{cfg.workers // islands} workers"
+    where = f"{islands} islands of {each} each" if source == "modelled" else "this layout"
     sent, float32 = summary["slow_link_bytes_per_round"], summary["slow_link_float32_bytes_per_round"]
     saving = "no fewer than float32 (uncompressed)" if sent == float32 else f"{fewer:.1f}× fewer than float32"
     return (f"slow link {sent:,.0f} bytes per process per round ({source} for {where}; float32 {float32:,.0f}), "

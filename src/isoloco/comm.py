@@ -68,6 +68,12 @@ class Communicator(ABC):
         return 0
 
     @property
+    def played_islands(self) -> int:
+        """With every worker in this process (the simulator): the islands it plays, each of
+        num_workers / played_islands consecutive workers (`isoloco.sync.slowlink`)."""
+        return self.num_workers
+
+    @property
     def island_slices(self) -> tuple[int, int]:
         """(G, j): the island's traffic across islands is split in G slices, and this process
         carries slice j (processes of one island hold the same sums)."""
@@ -185,9 +191,11 @@ def nbytes(tensor: torch.Tensor) -> int:
 class LocalCommunicator(Communicator):
     """All R workers live in this process: collectives are local reductions."""
 
-    def __init__(self, num_workers: int | None = None, worker_ids: list[int] | None = None) -> None:
+    def __init__(self, num_workers: int | None = None, worker_ids: list[int] | None = None,
+                 islands: int = 0) -> None:
         """Workers 0..num_workers-1, or exactly the global ids `worker_ids` (e.g. the workers
-        left in a round after dropping a diverged one)."""
+        left in a round after dropping a diverged one), played as `islands` islands of
+        consecutive workers (0: each worker an island of its own)."""
         super().__init__()
         if worker_ids is None:
             if num_workers is None or num_workers < 1:
@@ -196,6 +204,9 @@ class LocalCommunicator(Communicator):
         if not worker_ids:
             raise ValueError("a communicator needs at least one worker")
         self._worker_ids = list(worker_ids)
+        if islands and len(worker_ids) % islands:
+            raise ValueError(f"{len(worker_ids)} workers do not split into {islands} islands of equal size")
+        self._islands = islands or len(worker_ids)
 
     @property
     def num_workers(self) -> int:
@@ -204,6 +215,10 @@ class LocalCommunicator(Communicator):
     @property
     def local_worker_ids(self) -> list[int]:
         return list(self._worker_ids)
+
+    @property
+    def played_islands(self) -> int:
+        return self._islands
 
     def _sum_across_processes(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -204,6 +204,7 @@ class TrainConfig:
             section.validate()
         validate_combination(self.merge, self.outer)
         self._check_stragglers()
+        self._check_islands()
         overlap = self.outer.overlap_steps
         if overlap >= self.inner_steps:
             raise ConfigError(f"outer.overlap_steps={overlap} is not allowed with inner_steps={self.inner_steps}: a "
@@ -218,6 +219,17 @@ class TrainConfig:
             raise ConfigError(f"log.spectra=true is not allowed with outer.overlap_steps={overlap}: set "
                               "outer.overlap_steps=0 to measure the spectra, or log.spectra=false")
 
+
+    def _check_islands(self) -> None:
+        islands = self.dist.islands
+        if islands and self.algorithm == "dp":
+            raise ConfigError(f"dist.islands={islands} is not allowed with algorithm=dp: the data-parallel baseline "
+                              "trains one model, not islands of workers; drop dist.islands or choose a DiLoCo method "
+                              "(e.g. method=diloco)")
+        if islands and self.workers % islands:
+            raise ConfigError(f"dist.islands={islands} does not divide workers={self.workers}: every island holds "
+                              f"the same number of consecutive workers; set dist.islands to a divisor of "
+                              f"{self.workers}")
 
     def _check_stragglers(self) -> None:
         """Refuse `worker_speeds` and `faults` where they cannot apply."""
@@ -356,8 +368,8 @@ EXECUTION_KEYS = frozenset({"device", "offload_workers", "micro_batch", "eval_ba
                             "dist.peer_silence_s", "dist.emulate_link"})
 
 #: `data=X` is short for `data.source=X`, the one data key people set most; `gpus_per_worker=G`
-#: for `dist.gpus_per_worker=G`, the layout key of the distributed engine.
-ALIASES = {"data": "data.source", "gpus_per_worker": "dist.gpus_per_worker"}
+#: and `islands=P` for `dist.gpus_per_worker=G` and `dist.islands=P`, the layout keys.
+ALIASES = {"data": "data.source", "gpus_per_worker": "dist.gpus_per_worker", "islands": "dist.islands"}
 
 
 def _coerce(key: Key, raw: Any) -> Any:

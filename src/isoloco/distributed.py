@@ -54,6 +54,13 @@ class DistConfig:
               "stops naming it; heartbeats come from a thread of their own, so long inner steps and checkpoint "
               "writes do not count as silence")
 
+    islands: int = option(
+        0, "P: the islands of workers/P consecutive workers that a one-process run (the simulator) plays: a "
+           "compressed merge (merge.quantize, merge.compress) then encodes each island's sum, the bits of a "
+           "P-island job, and the slow link is modelled for P islands; 0: every worker an island of its own. A "
+           "job's islands are its processes (processes / gpus_per_worker), and a nonzero value must name as many "
+           "(also settable as islands=P)")
+
     emulate_link: str = option(
         "", "for measurements on one machine: GBPS,MS makes every collective between islands take as long as "
             "on a link of GBPS Gbit/s and MS ms latency (its wire bytes at that rate, plus the latency for each "
@@ -62,6 +69,7 @@ class DistConfig:
 
     def validate(self) -> None:
         check_at_least("dist.gpus_per_worker", self.gpus_per_worker, 1)
+        check_at_least("dist.islands", self.islands, 0)
         check_choices("dist", self)
         check_positive("dist.timeout_s", self.timeout_s)
         check_positive("dist.peer_silence_s", self.peer_silence_s)
@@ -191,7 +199,7 @@ class Distributed:
         self.mesh: DeviceMesh | None = None
         #: This process's peer group (process j of every island); None with one island.
         self.peers: dist.ProcessGroup | None = None
-        self.comm: Communicator = LocalCommunicator(self.layout.workers)
+        self.comm: Communicator = LocalCommunicator(self.layout.workers, islands=cfg.dist.islands)
         if world_size > 1:
             layout = self.layout
             with collective("process group creation"):

@@ -59,6 +59,12 @@ class ProcessLayout:
                     f"workers={workers} cannot be spread over the {islands} worker groups ({world_size} processes "
                     f"/ gpus_per_worker {group}): every group holds the same number of workers; set workers to a "
                     f"multiple of {islands}")
+            if world_size > 1 and cfg.dist.islands not in (0, islands):
+                raise ConfigError(
+                    f"dist.islands={cfg.dist.islands} does not match this job's {islands} islands ({world_size} "
+                    f"processes / gpus_per_worker {group}): a job's islands are its processes; launch "
+                    f"{cfg.dist.islands * group} processes (isoloco launch --nproc {cfg.dist.islands * group}) or "
+                    f"drop dist.islands")
             if (batch // workers) % group:
                 raise ConfigError(
                     f"global_batch={batch} gives each of the {workers} workers {batch // workers} sequences per "

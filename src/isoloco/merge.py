@@ -49,9 +49,8 @@ from isoloco.rules import RULES, Knobs, Phase, WorkerSlot, mask_key, mean_phases
 from isoloco.sync.codec import FORMATS, SCALE_GROUPS, Quantization, carry_refusal
 from isoloco.sync.cost import wire_bytes
 from isoloco.sync.handles import Pending, Steps, Sync, lockstep, padded, run_to_end
-from isoloco.sync.islands import CommLink, IslandLink, PlayedIslands
-from isoloco.sync.lowrank import initial_factor
-from isoloco.sync.phase import Compression, Island, PhasePlan, island_phase
+from isoloco.sync.phase import Compression, PhasePlan
+from isoloco.sync.slowlink import SlowLink
 from isoloco.sync.plan import buckets
 from isoloco.sync.topk import MAX_CHUNK, TopK
 
@@ -325,7 +324,7 @@ class _Job:
 class Merger:
     """Applies the configured rule to each parameter, for the workers this process holds.
 
-    Its only state between rounds is merge.compress=lowrank's warm-start factors (`factors`,
+    Its only state between rounds is merge.compress=lowrank's warm-start factors (`link`'s,
     the same on every process, checkpointed by `isoloco.outer.OuterStep`): DARE's masks are a
     function of (seed, global worker id, round, parameter name, entry).
     """
@@ -339,8 +338,9 @@ class Merger:
         self.factor_paths: Counter = Counter()
         self._knobs = dataclasses.replace(cfg.knobs, factor_paths=self.factor_paths)
         self._rule = RULES[cfg.rule]
-        #: merge.compress=lowrank: each matrix's Q, by parameter name (`isoloco.sync.lowrank`).
-        self.factors: dict[str, torch.Tensor] = {}
+        #: How compressed sums cross the slow link: the islands this process plays, their plans,
+        #: low rank's factors (None without a lossy setting).
+        self.link = SlowLink(cfg.compression, comm, seed, cfg.lossy_setting) if cfg.lossy_setting else None
 
     def start(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None = None,
               fetch: Fetch | None = None, residuals: Mapping[str, Sequence[torch.Tensor]] | None = None,
@@ -358,7 +358,7 @@ class Merger:
         With `merge.quantize`, a sum crosses the link compressed (`isoloco.sync.compressed`);
         `residuals` (with `merge.error_feedback`: per parameter, indexed by local worker like the
         deltas) hold what earlier compressions lost and are updated in place; only those of
-        `island_heads` are read, so a list of one per local worker or a mapping from the heads'
+        `link.heads` are read, so a list of one per local worker or a mapping from the heads'
         indices both serve.
 
         `participation` says which of the R workers count and their weights (every worker
@@ -400,37 +400,15 @@ class Merger:
     # --------------------------------------------------------------------------- internals
 
     @property
-    def _compressed(self) -> bool:
-        return self.cfg.lossy_setting is not None
-
-    @property
-    def _played(self) -> bool:
-        """Whether every worker lives here, so the simulator plays each one as an island of its own."""
-        return self.comm.islands == 1 and len(self.comm.local_worker_ids) == self.comm.num_workers
-
-    @property
     def island_heads(self) -> list[int]:
-        """The local workers (indices) whose error-feedback residuals this process reads: each
-        played island's first, so only they need one (`start`'s `residuals`)."""
-        return [group[0] for group in self._groups]
+        """The local workers (indices) whose error-feedback residuals this process reads (`start`)."""
+        return self.link.heads if self.link is not None else []
 
     @property
-    def _groups(self) -> list[list[int]]:
-        """The workers (local indices) of each island this process plays: every worker an island
-        (the simulator), or this process's island."""
-        if self._played:
-            return [[index] for index in range(self.comm.num_workers)]
-        return [list(range(len(self.comm.local_worker_ids)))]
-
-    def _links(self) -> tuple[list[IslandLink], list[list[int]]]:
-        """The islands this process plays (`_groups`) and how each posts its collectives."""
-        if self._played:
-            return PlayedIslands(self.comm.num_workers).links, self._groups
-        if self.comm.islands == 1:
-            raise ConfigError(f"{self.cfg.lossy_setting} needs isoloco's own process groups: "
-                              f"{type(self.comm).__name__} carries float32 sums only; use "
-                              f"{self.cfg.lossy_setting.split('=')[0]}=none")
-        return [CommLink(self.comm)], self._groups
+    def clamped(self) -> dict[str, int]:
+        """merge.compress=lowrank: the rank of each matrix merged so far whose smaller side is
+        below merge.compress_rank."""
+        return self.link.clamped if self.link is not None else {}
 
     def _stages(self, plan: list[list[_Job]]) -> list[tuple[int, str, int]]:
         """(phase, collective, yields) of every stage, in order: sums before gathers within a
@@ -445,18 +423,10 @@ class Merger:
                 if not parts:
                     continue
                 yields = 1
-                if kind == "sum" and self._compressed:
-                    yields = max(self._phase_plan(part, phase).stages for part in parts)
+                if kind == "sum" and self.link is not None:
+                    yields = max(self.link.plan(*_described(part, phase)).stages for part in parts)
                 stages.append((phase, kind, yields))
         return stages
-
-    def _phase_plan(self, jobs: list[_Job], phase: int) -> PhasePlan:
-        """The plan of phase `phase` of a bucket's `jobs` as a compressed sum, over the islands
-        this run's slow link joins (every worker one in the simulator)."""
-        islands, slices = ((self.comm.num_workers, 1) if self._played
-                           else (self.comm.islands, self.comm.island_slices[0]))
-        return PhasePlan.of([job.phases[phase].shape for job in jobs], [job.name for job in jobs],
-                            self.cfg.compression, islands, slices)
 
     def _refuse_non_finite(self, plan: list[list[_Job]], round: _Round) -> None:
         """Raise before anything is sent when an arrived local worker's delta is not finite:
@@ -473,7 +443,7 @@ class Merger:
             parts = [[job for job in bucket if len(job.phases) > phase and job.phases[phase].collective == kind]
                      for bucket in plan]
             parts = [part for part in parts if part]
-            if kind == "sum" and self._compressed:
+            if kind == "sum" and self.link is not None:
                 yield from padded(lockstep([self._compressed_sum(part, phase, round) for part in parts]), yields)
             else:
                 started = [self._start_phase(part, phase, kind, round) for part in parts]
@@ -589,23 +559,10 @@ class Merger:
                 job.state = job.phases[phase].combine(stacked, job.state)
 
     def _compressed_sum(self, jobs: list[_Job], phase: int, round: _Round) -> Steps[None]:
-        """A sum phase of `jobs` that crosses the link compressed (`isoloco.sync.phase`): every
-        island this process plays runs the same steps, in lockstep, and all end with the same
-        sums. An island is this process's workers, or in the simulator each worker."""
-        shapes = [job.phases[phase].shape for job in jobs]
-        names = [job.name for job in jobs]
-        plan = self._phase_plan(jobs, phase)
-        self.comm.bytes_sent_per_worker += plan.payload_bytes
-        compression = self.cfg.compression
-        # Where the merge computes (the deltas are fetched to), not where they are stored (pinned
-        # host memory when offloaded from a GPU).
-        device = self._compute_device(jobs, round)
-        factors = {index: self._factor(name, shape, device)
-                   for index, (name, shape) in enumerate(zip(names, shapes))
-                   if compression.structured(shape, name) and compression.compress == "lowrank"}
-        links, groups = self._links()
-        arrived = [[index for index in group if round.scale(self.comm.local_worker_ids[index]) is not None]
-                   for group in groups]
+        """A sum phase of `jobs` that crosses the link compressed (`isoloco.sync.slowlink`),
+        combined into each job's state; low rank's P̂ is kept for the jobs finalized in the
+        factors' span."""
+        shapes, names = _described(jobs, phase)
         size = sum(math.prod(shape) for shape in shapes)
 
         def contribution(workers: list[int]) -> Callable[[], torch.Tensor]:
@@ -614,41 +571,15 @@ class Merger:
                 return buffer if buffer is not None else self._zeros(jobs, size, round)
             return build
 
-        islands = [Island(contribution(group), bool(came),
-                          None if jobs[0].residuals is None else [job.residuals[group[0]] for job in jobs],
-                          round.fetched, keep_inputs=len(links) == 1)
-                   for group, came in zip(groups, arrived)]
-        results = yield from lockstep([island_phase(link, island, plan, compression, factors)
-                                       for link, island in zip(links, islands)])
-        self._land(jobs, phase, results[0])
-
-    def _land(self, jobs: list[_Job], phase: int, totals: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]]
-              ) -> None:
-        """Combine each job's compressed sum (`totals[index]`: the sum and None, or low rank's
-        Q' and P̂, whose product is the sum), keeping P̂ for the jobs finalized in the factors' span."""
-        for index, job in enumerate(jobs):
-            total, basis = totals[index]
+        residuals = None if jobs[0].residuals is None else (lambda head: [job.residuals[head] for job in jobs])
+        sums = yield from self.link.sum(shapes, names, contribution,
+                                        lambda index: round.scale(self.comm.local_worker_ids[index]) is not None,
+                                        residuals, round.fetched, self._compute_device(jobs, round))
+        for job, (total, basis) in zip(jobs, sums):
             shape = job.phases[phase].shape
-            if basis is not None:
-                self.factors[job.name] = total
-                total = basis @ total.T
             job.state = job.phases[phase].combine(total.view(shape).to(job.deltas[0].dtype), job.state)
             if job.in_span:  # corrected once every stage has run (`_in_span`): its SVD syncs with the host
                 job.basis = basis
-
-    def _factor(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        """Matrix `name`'s warm-start Q: last round's, or the seeded first one, made on `device`
-        (where the merge computes)."""
-        if name not in self.factors:
-            self.factors[name] = initial_factor(name, shape, self.cfg.compress_rank, self.seed).to(device)
-        return self.factors[name]
-
-    @property
-    def clamped(self) -> dict[str, int]:
-        """merge.compress=lowrank: the rank of each matrix merged so far whose smaller side is
-        below merge.compress_rank."""
-        return {name: factor.shape[1] for name, factor in self.factors.items()
-                if factor.shape[1] < self.cfg.compress_rank}
 
     def _finalize(self, jobs: list[_Job], merged: dict[str, torch.Tensor], limit: int) -> Steps[None]:
         """Run the pure finalize steps on stacks of same-shape matrices of at most `limit`
@@ -669,6 +600,11 @@ class Merger:
         yield [handle]
         for stack, result in zip(stacks, handle.wait()):
             merged.update(zip((job.name for job in stack), [result] if len(stack) == 1 else result.unbind(0)))
+
+
+def _described(jobs: list[_Job], phase: int) -> tuple[list[torch.Size], list[str]]:
+    """The shapes of phase `phase` of `jobs` and their parameter names, as a plan takes them."""
+    return [job.phases[phase].shape for job in jobs], [job.name for job in jobs]
 
 
 def wire_bytes_per_merge(shapes: Sequence[torch.Size], cfg: MergeConfig, islands: int,

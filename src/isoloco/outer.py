@@ -383,7 +383,9 @@ class OuterStep:
             buffer = self.optimizer.state.get(param, {}).get("momentum_buffer")
             if buffer is not None:
                 state[self._BUFFER_KEY + name] = buffer.detach().clone()
-        state.update((self._FACTOR_KEY + name, factor.detach().clone()) for name, factor in self.merger.factors.items())
+        link = self.merger.link
+        state.update((self._FACTOR_KEY + name, factor.detach().clone())
+                     for name, factor in (link.factors.items() if link is not None else ()))
         return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -404,7 +406,12 @@ class OuterStep:
             if value.shape != param.shape:
                 raise ValueError(f"{key!r} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
             buffers[param] = value.to(device=param.device, dtype=param.dtype).clone()
-        self.merger.factors = factors
+        if factors and self.merger.link is None:
+            raise ValueError(f"this checkpoint holds merge.compress=lowrank's factors ({self._FACTOR_KEY}"
+                             f"{next(iter(factors))}, …) but this run sends its sums whole: resume it with the "
+                             f"merge settings it was written with (its config.yaml)")
+        if self.merger.link is not None:
+            self.merger.link.factors = factors
         self.optimizer.state.clear()
         for param, buffer in buffers.items():
             self.optimizer.state[param]["momentum_buffer"] = buffer

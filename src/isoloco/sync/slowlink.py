@@ -1,0 +1,119 @@
+"""How one process's merges cross the slow link compressed: the islands it plays and their plans.
+
+The merge engine (`isoloco.merge`) knows rules and workers; a `SlowLink` knows islands. A
+process of a job plays its own island, all its workers; the simulator plays every island of
+the run (`isoloco.sync.islands.PlayedIslands`): each worker an island of its own, or with
+`dist.islands = P` (`isoloco.comm.LocalCommunicator.played_islands`) P islands of R/P
+consecutive workers, which encode their island's sum as a P-island job does, bit for bit.
+
+For every sum phase it runs, it plans the phase once (`isoloco.sync.phase.PhasePlan`: its
+stages and bytes come from that plan), hands each island its side (`Island`) and runs the
+islands' steps in lockstep; it keeps low rank's warm-start factors between rounds (the same on
+every process, checkpointed by `isoloco.outer.OuterStep`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from isoloco.errors import ConfigError
+from isoloco.sync.handles import Steps, lockstep
+from isoloco.sync.islands import CommLink, IslandLink, PlayedIslands
+from isoloco.sync.lowrank import initial_factor
+from isoloco.sync.phase import Compression, Island, PhasePlan, island_phase
+
+if TYPE_CHECKING:
+    from isoloco.comm import Communicator
+
+#: The contribution of the arrived workers among the given local workers (indices), laid end to end.
+Contribution = Callable[[list[int]], Callable[[], torch.Tensor]]
+
+
+class SlowLink:
+    """The compressed sums of one process's merges (`setting`: the merge's lossy setting, as
+    errors name it)."""
+
+    def __init__(self, compression: Compression, comm: Communicator, seed: int, setting: str) -> None:
+        self.compression, self.comm, self.seed, self.setting = compression, comm, seed, setting
+        #: merge.compress=lowrank: each matrix's Q, by parameter name (`isoloco.sync.lowrank`).
+        self.factors: dict[str, torch.Tensor] = {}
+
+    @property
+    def played(self) -> bool:
+        """Whether every worker lives here, so this process plays every island (the simulator)."""
+        return self.comm.islands == 1 and len(self.comm.local_worker_ids) == self.comm.num_workers
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The workers (local indices) of each island this process plays, in island order."""
+        if not self.played:
+            return [list(range(len(self.comm.local_worker_ids)))]
+        islands = self.comm.played_islands
+        size = self.comm.num_workers // islands
+        return [list(range(island * size, (island + 1) * size)) for island in range(islands)]
+
+    @property
+    def heads(self) -> list[int]:
+        """The local workers (indices) whose error-feedback residuals are their islands': each
+        played island's first."""
+        return [group[0] for group in self.groups]
+
+    def plan(self, shapes: Sequence[torch.Size], names: Sequence[str]) -> PhasePlan:
+        """The plan of a bucket's sum phase of tensors `shapes` (parameters `names`) over the
+        islands this run's slow link joins."""
+        islands, slices = ((len(self.groups), 1) if self.played
+                           else (self.comm.islands, self.comm.island_slices[0]))
+        return PhasePlan.of(shapes, names, self.compression, islands, slices)
+
+    def _links(self) -> list[IslandLink]:
+        if self.played:
+            return PlayedIslands(len(self.groups)).links
+        if self.comm.islands == 1:
+            raise ConfigError(f"{self.setting} needs isoloco's own process groups: {type(self.comm).__name__} "
+                              f"carries float32 sums only; use {self.setting.split('=')[0]}=none")
+        return [CommLink(self.comm)]
+
+    def sum(self, shapes: Sequence[torch.Size], names: Sequence[str], contribution: Contribution,
+            arrived: Callable[[int], bool], residuals: Callable[[int], Sequence[torch.Tensor]] | None,
+            fetch: Callable[[torch.Tensor], torch.Tensor], device: torch.device
+            ) -> Steps[list[tuple[torch.Tensor, torch.Tensor | None]]]:
+        """A sum phase of one bucket: every island this process plays runs the same steps, in
+        lockstep, and all end with the same sums. `arrived(index)`: whether local worker `index`
+        arrived; `residuals(head)`: island head `head`'s residual per tensor (error feedback);
+        `device`: where the merge computes (the deltas are fetched to), not where they are stored.
+        Returns, per tensor, its sum (flat, or a low-rank matrix's P̂ Q'ᵀ) and low rank's basis P̂
+        (None for the others)."""
+        plan = self.plan(shapes, names)
+        self.comm.bytes_sent_per_worker += plan.payload_bytes
+        factors = {index: self._factor(name, shape, device)
+                   for index, (name, shape) in enumerate(zip(names, shapes))
+                   if self.compression.compress == "lowrank" and self.compression.structured(shape, name)}
+        links = self._links()
+        islands = [Island(contribution(group), any(arrived(index) for index in group),
+                          None if residuals is None else residuals(group[0]), fetch, keep_inputs=len(links) == 1)
+                   for group in self.groups]
+        results = yield from lockstep([island_phase(link, island, plan, self.compression, factors)
+                                       for link, island in zip(links, islands)])
+        sums = []
+        for index, name in enumerate(names):
+            total, basis = results[0][index]
+            if basis is not None:
+                self.factors[name] = total
+                total = basis @ total.T
+            sums.append((total, basis))
+        return sums
+
+    def _factor(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """Matrix `name`'s warm-start Q: last round's, or the seeded first one, made on `device`."""
+        if name not in self.factors:
+            self.factors[name] = initial_factor(name, shape, self.compression.rank, self.seed).to(device)
+        return self.factors[name]
+
+    @property
+    def clamped(self) -> dict[str, int]:
+        """merge.compress=lowrank: the rank of each matrix merged so far whose smaller side is
+        below merge.compress_rank."""
+        return {name: factor.shape[1] for name, factor in self.factors.items()
+                if factor.shape[1] < self.compression.rank}
