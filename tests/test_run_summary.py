@@ -131,8 +131,10 @@ def test_a_compressed_one_process_run_gives_its_modelled_bytes_beside_float32s(t
 @pytest.mark.parametrize("setting", [["method=isoloco", "merge.compress=lowrank", "merge.compress_rank=2",
                                       "merge.quantize=int8"], ["method=sparseloco"]])
 def test_the_modelled_bytes_are_those_two_processes_measure(tmp_path, setting):
-    """The simulator's figure for R islands is what R processes, one island each, put on the wire."""
-    run = [*SMALL_ARGS, "steps=4", "inner_steps=2", "workers=2", "eval_every=0", *setting, "--quiet", "--out"]
+    """The simulator's figure for the 2 islands of 2 workers it plays (`islands=2`) is what 2
+    processes of 2 workers, one island each, put on the wire (SparseLoCo: every worker's blob)."""
+    run = [*SMALL_ARGS, "steps=4", "inner_steps=2", "workers=4", "islands=2", "eval_every=0", *setting, "--quiet",
+           "--out"]
     done = subprocess.run([sys.executable, "-m", "isoloco", "launch", "--nproc", "2", "--", "train", *run,
                            str(tmp_path / "two")], capture_output=True, text=True, env=ONE_THREAD_ENV, timeout=600)
     assert done.returncode == 0, done.stderr
