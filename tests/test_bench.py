@@ -263,3 +263,12 @@ def test_seconds_per_token_of_dp_and_many_workers_on_either_kernel():
              throughput.ScaleCase("diloco", 8, kernel="foreach")]
     seconds = throughput.seconds_per_token(cases, global_batch=8, seq_len=16, h=2, repeats=1, device="cpu", **DATA)
     assert list(seconds) == cases and all(positive_finite(value) for value in seconds.values())
+
+
+def test_the_optimizer_floor_and_the_batched_passes_are_measured():
+    assert all(positive_finite(throughput.optimizer_step_seconds(1, "cpu", kernel, steps=2, **DATA))
+               for kernel in ("fused", "foreach"))
+    table = throughput.batched_passes_table(4, 8, 1, "cpu", **DATA)
+    assert [row[0].split(",")[0].split(" (")[0] for row in table.rows] == [
+        "dp", "one worker after another", "all workers at once"]
+    assert all(positive_finite(float(row[1])) for row in table.rows)
