@@ -30,6 +30,12 @@ and exits 1 if any check failed:
     bit-identical and every matrix's first outer update has flat singular values in the
     directions Iso-C keeps (skipped in the dry run: torchtitan does not run on a CPU as
     shipped; tests/test_torchtitan.py covers the CPU with test-only patches).
+14. no stage of an overlapped synchronisation stops the host: the stages of Iso-C, of the mean
+    and Iso-C under int8 low rank and top-k with error feedback, deltas and residuals offloaded
+    to pinned host memory, and of SparseLoCo run under `torch.cuda.set_sync_debug_mode("error")`
+    (the finiteness check before the first stage, Iso-C's pure finalize and the landing after
+    the last stage may synchronise; on the dry run the stages run on the CPU, where nothing
+    synchronises).
 
 `--dry-run` takes every step on the CPU with small shapes (tiny model, short sequences, one
 round per method, a smaller batch for the memory check, two gloo processes for checks 9 and
@@ -48,6 +54,7 @@ use; prepare it beforehand with the dry run and carry the cache to an offline ma
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -56,9 +63,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -432,6 +440,83 @@ def torchtitan_recipe(setting: Setting, workdir: Path) -> Row:
                not differ and flat <= 1.001)
 
 
+#: Check 14's merges: rule and the merge keys of each, on 4 workers' deltas of a wide and a tall
+#: matrix and a vector.
+SYNC_FREE = {"Iso-C": ("iso_c", {}),
+             "mean, int8 low rank + error feedback, offloaded": (
+                 "mean", {"quantize": "int8", "error_feedback": True, "compress": "lowrank", "compress_rank": 2}),
+             "Iso-C, int8 low rank + error feedback, offloaded": (
+                 "iso_c", {"quantize": "int8", "error_feedback": True, "compress": "lowrank", "compress_rank": 2}),
+             "mean, int8 top-k + error feedback, offloaded": (
+                 "mean", {"quantize": "int8", "error_feedback": True, "compress": "topk",
+                          "compress_density": 0.2, "compress_chunk": 64})}
+SYNC_FREE_SHAPES = {"wide.weight": (48, 160), "tall.weight": (120, 24), "norm.weight": (24,)}
+
+
+@contextmanager
+def host_waits(mode: str, device: str) -> Iterator[None]:
+    """CUDA's sync debug mode for the block ("error": a synchronising call raises); nothing on the CPU."""
+    if device != "cuda":
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
+def sync_free_stages(setting: Setting) -> list[Row]:
+    """Each merge's stages under CUDA's sync debug mode "error" (check 14)."""
+    from isoloco.comm import LocalCommunicator
+    from isoloco.merge import MergeConfig, Merger
+    from isoloco.sync.handles import Sync, run_to_end
+    from isoloco.sync.sparseloco import Tiling, sparseloco_mean
+
+    device, workers = setting.device, 4
+    generator = torch.Generator().manual_seed(0)
+    stored = {name: [torch.randn(shape, generator=generator) for _ in range(workers)]
+              for name, shape in SYNC_FREE_SHAPES.items()}
+
+    def placed(offloaded: bool) -> dict[str, list[torch.Tensor]]:
+        return {name: [t.pin_memory() if offloaded and device == "cuda" else t.to(device) for t in tensors]
+                for name, tensors in stored.items()}
+
+    def stages(sync: Sync) -> dict[str, torch.Tensor]:
+        with host_waits("error", device):
+            for _ in range(sync.stages):
+                next(sync.steps)
+        return run_to_end(sync.steps)  # the landing, which the host waits for anyway
+
+    rows = []
+    where = "the CPU (dry run: nothing synchronises)" if device == "cpu" else device
+    for label, (rule, keys) in SYNC_FREE.items():
+        offloaded = "offloaded" in label
+        merger = Merger(MergeConfig(rule=rule, **keys), LocalCommunicator(workers), seed=0)
+        if merger._rule.finalize is not None:  # a pure step on merged matrices, allowed to wait
+            finalize = merger._rule.finalize
+
+            def waiting(merged, knobs, finalize=finalize):
+                with host_waits("default", device):
+                    return finalize(merged, knobs)
+
+            merger._rule = dataclasses.replace(merger._rule, finalize=waiting)
+        deltas, residuals = placed(offloaded), placed(offloaded) if keys.get("error_feedback") else None
+        fetch = (lambda t: t.to(device, non_blocking=True)) if offloaded and device == "cuda" else None
+        # The finiteness check, one sync per bucket, runs in `start`, before the first stage.
+        merged = stages(merger.start(deltas, 0, fetch=fetch, residuals=residuals))
+        ok = set(merged) == set(SYNC_FREE_SHAPES) and all(bool(torch.isfinite(t).all()) for t in merged.values())
+        rows.append(Row(f"{label}: stages on {where}", "no stage synchronised" if ok else "a merge was not finite",
+                        'torch.cuda.set_sync_debug_mode("error") raises nothing', ok))
+    accumulators = placed(False)
+    merged = stages(Sync(sparseloco_mean(LocalCommunicator(workers), placed(False), accumulators, Tiling(8, 4), 0.95), 1))
+    ok = all(bool(torch.isfinite(t).all()) for t in merged.values())
+    rows.append(Row(f"SparseLoCo: its stage on {where}", "no stage synchronised" if ok else "a merge was not finite",
+                    'torch.cuda.set_sync_debug_mode("error") raises nothing', ok))
+    return rows
+
+
 def timed(name: str, fn: Callable[[], Row | list[Row]]) -> tuple[list[Row], float]:
     """The check's rows and seconds; a check that raises is one failed row quoting the error,
     so one failure does not cost the figures of the others."""
@@ -458,6 +543,7 @@ CHECKS: dict[str, Callable[[Setting, Path, float], Row | list[Row]]] = {
     "offloaded_overlap": lambda setting, workdir, peak: offloaded_overlap(setting, workdir),
     "structured": lambda setting, workdir, peak: structured(setting, workdir),
     "torchtitan": lambda setting, workdir, peak: torchtitan_recipe(setting, workdir),
+    "sync_free": lambda setting, workdir, peak: sync_free_stages(setting),
 }
 
 

@@ -178,7 +178,7 @@ def test_the_gpu_check_refuses_an_unknown_check():
 
 #: The dry run's checks in two halves that run at once: the suite runs one test at a time, so the
 #: second half takes the core it would leave idle.
-DRY_RUN_HALVES = ("exact,fast,methods,offload,resume,offloaded_overlap,torchtitan",
+DRY_RUN_HALVES = ("exact,fast,methods,offload,resume,offloaded_overlap,torchtitan,sync_free",
                   "round,merge,deterministic,island,overlap,structured")
 #: Checks that need a GPU even in a dry run, each with the CPU test that covers it instead.
 CUDA_ONLY = {"torchtitan recipe": "tests/test_torchtitan.py"}

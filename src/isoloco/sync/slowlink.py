@@ -108,7 +108,10 @@ class SlowLink:
     def _factor(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
         """Matrix `name`'s warm-start Q: last round's, or the seeded first one, made on `device`."""
         if name not in self.factors:
-            self.factors[name] = initial_factor(name, shape, self.compression.rank, self.seed).to(device)
+            # Made on the CPU (the same bits on every device); a blocking copy from pageable
+            # memory would make the host wait for the device inside a stage.
+            self.factors[name] = initial_factor(name, shape, self.compression.rank, self.seed).to(device,
+                                                                                                    non_blocking=True)
         return self.factors[name]
 
     @property
