@@ -53,8 +53,8 @@ RULES = {
     "iso_c": {"method": "isoloco"},
     "iso_c_update": {"method": "isoloco", "outer.iso_placement": "update"},
     "iso_cts": {"method": "isocts", "steps": 3, "eval_every": 3, "merge.finder_dtype": "float32"},
-    # One worker per island, as the simulator plays every worker (tests/test_compressed.py has
-    # islands of several workers against a float64 sum).
+    # One worker per island, as the simulator plays every worker by default (`played_islands`
+    # below has islands of two, `islands=2`).
     "mean_int8_ef": {"method": "diloco", "merge.quantize": "int8", "merge.error_feedback": True, "workers": 2},
     # IsoLoCo with round 0's synchronisation in flight for one step of round 1 (its traffic
     # counts in round 1, beside round 1's own: `test_overlap_counts_each_synchronisation_once`).

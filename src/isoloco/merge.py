@@ -397,8 +397,6 @@ class Merger:
         finalize = self._finalize_of(name, aggregated)
         return finalize(aggregated) if finalize else aggregated
 
-    # --------------------------------------------------------------------------- internals
-
     @property
     def island_heads(self) -> list[int]:
         """The local workers (indices) whose error-feedback residuals this process reads (`start`)."""
@@ -409,6 +407,8 @@ class Merger:
         """merge.compress=lowrank: the rank of each matrix merged so far whose smaller side is
         below merge.compress_rank."""
         return self.link.clamped if self.link is not None else {}
+
+    # --------------------------------------------------------------------------- internals
 
     def _stages(self, plan: list[list[_Job]]) -> list[tuple[int, str, int]]:
         """(phase, collective, yields) of every stage, in order: sums before gathers within a
