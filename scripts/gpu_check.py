@@ -510,7 +510,8 @@ def sync_free_stages(setting: Setting) -> list[Row]:
         rows.append(Row(f"{label}: stages on {where}", "no stage synchronised" if ok else "a merge was not finite",
                         'torch.cuda.set_sync_debug_mode("error") raises nothing', ok))
     accumulators = placed(False)
-    merged = stages(Sync(sparseloco_mean(LocalCommunicator(workers), placed(False), accumulators, Tiling(8, 4), 0.95), 1))
+    steps = sparseloco_mean(LocalCommunicator(workers), placed(False), accumulators, Tiling(8, 4), 0.95)
+    merged = stages(Sync(steps, 1))
     ok = all(bool(torch.isfinite(t).all()) for t in merged.values())
     rows.append(Row(f"SparseLoCo: its stage on {where}", "no stage synchronised" if ok else "a merge was not finite",
                     'torch.cuda.set_sync_debug_mode("error") raises nothing', ok))

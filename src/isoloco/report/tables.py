@@ -179,8 +179,9 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                  "process, which has no islands to cross); exposed sync: the seconds training waited for "
                  "synchronisations." if link else "")
               + (" Slow link per round: the bytes a synchronisation puts on the slow link per process, measured "
-                 "across processes, modelled (the cost model, R islands of one worker) in a one-process run; × "
-                 "fewer than float32: float32's for the same model and layout, divided by them." if slow else ""),
+                 "across processes, modelled (the cost model, for the islands the simulator plays: R of one "
+                 "worker unless dist.islands) in a one-process run; × fewer than float32: float32's for the same "
+                 "model and layout, divided by them." if slow else ""),
               "", "## By method, R and H", "",
               md_table(["method", "R", "H", *variant_header, "seeds", "final val loss", "gap to DP (%)",
                          "peak val loss", "tokens", "wall time (s)", "CPU time (s)", *link_header],
