@@ -406,11 +406,7 @@ class OuterStep:
             if value.shape != param.shape:
                 raise ValueError(f"{key!r} has shape {tuple(value.shape)}, the parameter {tuple(param.shape)}")
             buffers[param] = value.to(device=param.device, dtype=param.dtype).clone()
-        if factors and self.merger.link is None:
-            raise ValueError(f"this checkpoint holds merge.compress=lowrank's factors ({self._FACTOR_KEY}"
-                             f"{next(iter(factors))}, …) but this run sends its sums whole: resume it with the "
-                             f"merge settings it was written with (its config.yaml)")
-        if self.merger.link is not None:
+        if self.merger.link is not None:  # a resume checks the config first: factors come with low rank
             self.merger.link.factors = factors
         self.optimizer.state.clear()
         for param, buffer in buffers.items():
