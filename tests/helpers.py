@@ -4,8 +4,9 @@ import os
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from safetensors.torch import load_file
@@ -29,6 +30,18 @@ SMALL_ARGS = ["model=tiny", "seq_len=32", "global_batch=8", "data.vocab_size=512
 
 #: The environment of a training process started by a test: one thread, as `make test` runs.
 ONE_THREAD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread inside the block, as the processes a test starts run (a LAPACK or
+    matmul call on more threads may round differently)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 #: How long a test waits at most for a run it started to reach a point (a checkpoint, a step):

@@ -18,7 +18,7 @@ from isoloco.sync.compressed import choose_route
 from isoloco.sync.handles import Sync, run_to_end
 from isoloco.sync.sparseloco import Tiling, sparseloco_mean
 
-from helpers import ProcessGroup, reference_sum, run_threads
+from helpers import ProcessGroup, one_thread, reference_sum, run_threads
 
 SHAPES = {"wide.weight": (12, 40), "tall.weight": (30, 6), "norm.weight": (7,)}
 #: Each compressor with int8 or int4 values and error feedback.
@@ -498,6 +498,8 @@ GLOO_CASES = {f"{compressor}-{fmt}": config(compressor, fmt) for compressor, fmt
 
 #: Workers per process: one (every worker an island), and two (`islands=4` with 8 workers).
 GLOO_WORKERS = (1, 2)
+#: Iso-CTS, whose common sum passes from island to island in worker order (`Phase.in_order`).
+IN_ORDER = MergeConfig(rule="iso_cts", common_fraction=0.6)
 
 
 def gloo_arrivals(t: int, per_island: int = 1) -> list[int]:
@@ -528,24 +530,57 @@ def _gloo_islands(rank: int, world_size: int, port: int, root: str) -> None:
                 merged = run_to_end(merger.start({name: [ds[w] for w in ids] for name, ds in deltas.items()}, t,
                                                  residuals=kept, participation=came).steps)
                 out[(case, per_island, t)] = (merged, {name: [r.clone() for r in rs] for name, rs in kept.items()})
+        for per_island in GLOO_WORKERS:
+            workers = world_size * per_island
+            comm = Distributed(dataclasses.replace(cfg, workers=workers, global_batch=workers)).comm
+            merger, ids = Merger(IN_ORDER, comm, seed=3), comm.local_worker_ids
+            for t in range(3):
+                came = Participation(tuple(gloo_arrivals(t, per_island)))
+                out[("in_order", per_island, t)] = run_to_end(merger.start(
+                    {name: [ds[w] for w in ids] for name, ds in round_deltas(workers, t).items()}, t,
+                    participation=came).steps)
     torch.save(out, f"{root}/islands.{rank}.pt")
 
 
+@pytest.fixture(scope="module")
+def gloo_ranks(tmp_path_factory) -> list[dict]:
+    """What each of four gloo processes merged (`_gloo_islands`), by rank."""
+    from test_distributed import run_processes
+
+    root = tmp_path_factory.mktemp("gloo-islands")
+    run_processes(_gloo_islands, 4, str(root))
+    return [torch.load(root / f"islands.{rank}.pt") for rank in range(4)]
+
+
 @pytest.mark.multiprocess
-def test_four_gloo_processes_give_the_simulators_bits_with_late_workers(tmp_path):
+def test_four_gloo_processes_give_the_simulators_bits_with_late_workers(gloo_ranks):
     """Four islands of one gloo process each, of one worker and of two, against the simulator
     playing those islands (`islands=4` with 8 workers), workers late in alternate rounds, int8
     and int4 dense sums, low rank and top-k, with error feedback: the same merged bits and
     island residuals on every process, every round."""
-    from test_distributed import run_processes
-
-    run_processes(_gloo_islands, 4, str(tmp_path))
-    ranks = [torch.load(tmp_path / f"islands.{rank}.pt") for rank in range(4)]
     for (case, merge_cfg), per_island in itertools.product(GLOO_CASES.items(), GLOO_WORKERS):
         for t, _, merged, residuals in simulate(merge_cfg, 4 * per_island, 3, islands=4,
                                                 arrived=lambda t: gloo_arrivals(t, per_island)):
-            for rank, got in enumerate(ranks):
+            for rank, got in enumerate(gloo_ranks):
                 merged_here, kept = got[(case, per_island, t)]
                 for name in SHAPES:
                     assert torch.equal(merged_here[name], merged[name]), (case, per_island, t, rank, name)
                     assert torch.equal(kept[name][0], residuals[name][rank * per_island]), (case, t, rank, name)
+
+
+@pytest.mark.multiprocess
+def test_four_gloo_processes_sum_in_worker_order_as_the_simulator_does(gloo_ranks):
+    """Iso-CTS's common sum runs as a chain across four gloo processes, of one worker and of
+    two, workers late (process 0 with none in round 0, process 3 with none in round 1): every
+    process ends with the simulator's bits, which an all-reduce, adding in another order,
+    does not give (a ring adds the processes' partial sums in its own order). One thread, as
+    the processes run: a LAPACK call on more may round differently."""
+    for per_island in GLOO_WORKERS:
+        merger = Merger(IN_ORDER, LocalCommunicator(4 * per_island), seed=3)
+        for t in range(3):
+            came = Participation(tuple(gloo_arrivals(t, per_island)))
+            with one_thread():
+                merged = run_to_end(merger.start(round_deltas(4 * per_island, t), t, participation=came).steps)
+            for rank, got in enumerate(gloo_ranks):
+                for name in SHAPES:
+                    assert torch.equal(got[("in_order", per_island, t)][name], merged[name]), (per_island, t, rank, name)

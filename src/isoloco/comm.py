@@ -89,6 +89,21 @@ class Communicator(ABC):
         self._count(local_total)
         return self._start_sum(local_total)
 
+    def sum_in_order_async(self, build: Callable[[torch.Tensor | None], torch.Tensor | None],
+                           zeros: Callable[[], torch.Tensor], started: Callable[[int], bool]) -> Pending[torch.Tensor]:
+        """`sum_async` with every worker's term added in global worker order, whatever the
+        layout: the bits of one process adding all R terms one after another.
+
+        `build(onto)` adds this process's arrived workers' terms, in order, onto `onto` (None:
+        into a new buffer) and returns the result (None when there was nothing to add to);
+        `zeros()` is a zero buffer of the sum's size; `started(worker)` says whether any worker
+        with a global id below `worker` arrived. This default adds this process's terms, then
+        sums across processes as `sum_async` does, which keeps the order when every worker
+        lives in this process; `isoloco.torch_comm` passes a running sum from island to island.
+        """
+        total = build(None)
+        return self.sum_async(total if total is not None else zeros())
+
     def gather(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every worker's tensor, ordered by global worker id (an all-gather).
 

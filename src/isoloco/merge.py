@@ -490,13 +490,14 @@ class Merger:
                              memos=[{} for _ in workers], in_span=in_span))
         return jobs
 
-    def _contribution(self, jobs: list[_Job], phase: int, round: _Round, workers: Sequence[int]
-                      ) -> torch.Tensor | None:
+    def _contribution(self, jobs: list[_Job], phase: int, round: _Round, workers: Sequence[int],
+                      onto: torch.Tensor | None = None) -> torch.Tensor | None:
         """The contributions to phase `phase` of `jobs` of the local workers `workers` (local
-        indices) that arrived, added up in worker order and laid end to end; None when none arrived."""
+        indices) that arrived, added up in worker order and laid end to end (onto the running
+        sum `onto`, if given); None when none arrived and there was nothing to add to."""
         sizes = [math.prod(job.phases[phase].shape) for job in jobs]
         offsets = [0, *itertools.accumulate(sizes)][:-1]
-        buffer = None
+        buffer = onto
         for index in workers:
             worker = self.comm.local_worker_ids[index]
             scale = round.scale(worker)
@@ -524,8 +525,18 @@ class Merger:
         offsets = [0, *itertools.accumulate(sizes)][:-1]
         workers = range(len(self.comm.local_worker_ids))
         if collective == "sum":
-            buffer = self._contribution(jobs, phase, round, workers)
-            handle = self.comm.sum_async(buffer if buffer is not None else self._zeros(jobs, sum(sizes), round))
+            def build(onto: torch.Tensor | None) -> torch.Tensor | None:
+                return self._contribution(jobs, phase, round, workers, onto)
+
+            def zeros() -> torch.Tensor:
+                return self._zeros(jobs, sum(sizes), round)
+
+            if any(job.phases[phase].in_order for job in jobs):
+                handle = self.comm.sum_in_order_async(
+                    build, zeros, lambda worker: any(round.scale(before) is not None for before in range(worker)))
+            else:
+                buffer = build(None)
+                handle = self.comm.sum_async(buffer if buffer is not None else zeros())
         else:
             buffers = [self._contribution(jobs, phase, round, [index]) for index in workers]
             handle = self.comm.gather_async([buffer if buffer is not None else self._zeros(jobs, sum(sizes), round)

@@ -53,6 +53,9 @@ class Phase:
     contribute: Callable[[torch.Tensor, torch.Tensor, WorkerSlot, Any], None]  # (buffer, delta, slot, state)
     combine: Callable[[torch.Tensor, Any], Any]  # (sum, or workers' buffers stacked in id order; state) -> state
     exact: bool = False  # a sum whose terms must arrive unrounded (counts): no lossy codec may carry it
+    #: A sum added in worker order in every layout (`Communicator.sum_in_order_async`): for a
+    #: combine so ill-conditioned that the rounding of another order shows in the merge.
+    in_order: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,8 +291,11 @@ def iso_cts_phases(shape: torch.Size, workers: int, knobs: Knobs) -> list[Phase]
         u, s, v = common_block(total, state)
         return _assemble(knobs.factors.polar(u), s.mean(), knobs.factors.polar(v))
 
+    # The common block is the top of the sum's spectrum, and the polar factor of it stacked
+    # beside the workers' blocks weighs every direction alike: where two directions nearly
+    # coincide, one rounding of the sum moves the merge by 1e-4, so the sum keeps one order.
     phases = [Phase("sum", tuple(shape), lambda buffer, delta, slot, state: _put(buffer, delta, slot),
-                    common_block if per_worker else common_only)]
+                    common_block if per_worker else common_only, in_order=True)]
     if per_worker:
         def residual_factors(buffer, delta, slot, block):
             # The residual Δ_r/R − U_c U_cᵀ Δ_r/R; it is judged null against its delta

@@ -138,6 +138,47 @@ class TorchCommunicator(Communicator):
         work = _post("merge all-reduce", [part], lambda: dist.all_reduce(part, group=self._peers, async_op=True))
         return Pending([work], lambda: self._joined(part, tensor.numel()).view_as(tensor), ready_at)
 
+    def sum_in_order_async(self, build: Callable[[torch.Tensor | None], torch.Tensor | None],
+                           zeros: Callable[[], torch.Tensor], started: Callable[[int], bool]) -> Pending[torch.Tensor]:
+        if self._peers is None:
+            return super().sum_in_order_async(build, zeros, started)
+        # Islands hold consecutive workers, so the running sum passes from island to island:
+        # each receives it, adds its own workers' terms one after another and sends it on; the
+        # last broadcasts the total. An island's processes hold the same workers, so each
+        # carries its slice of the running sum, as `_start_sum` does. It all runs at the wait:
+        # an island can add nothing before the islands ahead of it have.
+        template = zeros()
+        self._count(template)
+        width = -(-template.numel() // self._slices)
+        ready_at = self._cross("chain_sum", width * template.element_size())
+        islands, workers = self._layout.islands, self.local_worker_ids
+        receives = self.island > 0 and started(workers[0])
+        sends = self.island < islands - 1 and started(workers[-1] + 1)
+
+        def finish() -> torch.Tensor:
+            onto = None
+            if receives:
+                running = template.new_empty(width)
+                with collective("in-order sum receive"):
+                    dist.recv(running, src=dist.get_global_rank(self._peers, self.island - 1), group=self._peers)
+                onto = template  # zeros, but for this process's slice
+                begin = min(self._slot * width, template.numel())
+                end = min(begin + width, template.numel())
+                onto[begin:end] = running[:end - begin]
+            total = build(onto)
+            part = self._slice(total if total is not None else template)
+            sent = _post("in-order sum send", [part], lambda: dist.isend(
+                part, dst=dist.get_global_rank(self._peers, self.island + 1), group=self._peers)) if sends else None
+            # The total lands beside the running sum, which may still be on its way.
+            landed = part if self.island == islands - 1 else torch.empty_like(part)
+            with collective("in-order sum broadcast"):
+                dist.broadcast(landed, src=dist.get_global_rank(self._peers, islands - 1), group=self._peers)
+            if sent is not None:
+                sent.wait()
+            return self._joined(landed, template.numel()).view_as(template)
+
+        return Pending([], finish, ready_at)
+
     def _start_gather(self, tensors: list[torch.Tensor]) -> Pending[list[torch.Tensor]]:
         if self._peers is None:
             return Pending.done(list(tensors))

@@ -12,14 +12,18 @@ with the same seconds. Collectives are the usual ring / pairwise algorithms over
 * all-gather of n-byte blocks: each process's block to each of the P − 1 others, (P−1)·n, in
   P − 1 steps;
 * all-to-all: what a process sends to the others (its own chunk stays), in P − 1 steps;
-* broadcast of n bytes: the source sends it to each of the P − 1 receivers (counted there).
+* broadcast of n bytes: the source sends it to each of the P − 1 receivers (counted there);
+* a sum in worker order (``chain_sum``, `Communicator.sum_in_order_async`): each of P − 1
+  processes sends the whole running sum to the next, one after another, and the last
+  broadcasts the total: on average the all-reduce's 2(P−1)/P·n per process in 2(P−1) steps,
+  but the sends are not pipelined, so the bytes on its path are P times a process's share.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-KINDS = ("all_reduce", "all_gather", "all_to_all", "broadcast")
+KINDS = ("all_reduce", "all_gather", "all_to_all", "broadcast", "chain_sum")
 
 
 def wire_bytes(kind: str, size: float, processes: int) -> float:
@@ -30,7 +34,7 @@ def wire_bytes(kind: str, size: float, processes: int) -> float:
         raise ValueError(f"unknown collective {kind!r}: expected one of {', '.join(KINDS)}")
     if processes <= 1:
         return 0.0
-    if kind == "all_reduce":
+    if kind in ("all_reduce", "chain_sum"):
         return 2 * (processes - 1) / processes * size
     if kind == "all_to_all":
         return float(size)
@@ -41,7 +45,7 @@ def latency_steps(kind: str, processes: int) -> int:
     """Latency-bound steps of one collective of `kind` over `processes` (see the module docstring)."""
     if processes <= 1:
         return 0
-    return 2 * (processes - 1) if kind == "all_reduce" else processes - 1
+    return 2 * (processes - 1) if kind in ("all_reduce", "chain_sum") else processes - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +59,8 @@ class Link:
         """Seconds of `calls` collectives of `kind` over `processes` members that put `wire`
         bytes in all on this member's link: the bytes at the bandwidth, and a latency per
         latency-bound step of each call."""
-        return wire / self.bandwidth + calls * latency_steps(kind, processes) * self.latency
+        on_path = wire * processes if kind == "chain_sum" else wire
+        return on_path / self.bandwidth + calls * latency_steps(kind, processes) * self.latency
 
     def seconds(self, kind: str, size: float, processes: int, messages: int = 1) -> float:
         """Seconds of `messages` collectives of `kind` moving `size` bytes in all over
