@@ -162,16 +162,17 @@ def one_process_runs(tmp_path_factory) -> dict[str, Trainer]:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_two_processes_train_what_one_process_trains(two_process_runs, one_process_runs, case):
+    """Every rule within 1e-6 (relative) of one process: the sums' order is the only difference."""
     reference = one_process_runs[case]
-    assert_run_close(two_process_runs / case, reference, 1e-5)
+    assert_run_close(two_process_runs / case, reference, 1e-6)
     initial = Trainer(resolve(None, {**SMALL, **CASES[case]}), two_process_runs / "unused", progress=False)
     assert not torch.equal(initial.global_params[0], reference.global_params[0])  # training moved the weights
     # Train loss is averaged over all workers on all processes; val loss over all windows.
     ours, theirs = read_metrics(two_process_runs / case / "metrics.jsonl"), read_metrics(
         reference.out_dir / "metrics.jsonl")
     assert [m["step"] for m in ours] == [m["step"] for m in theirs]
-    assert [m["train_loss"] for m in ours] == pytest.approx([m["train_loss"] for m in theirs], rel=1e-5)
-    assert ours[-1]["val_loss"] == pytest.approx(theirs[-1]["val_loss"], rel=1e-5)
+    assert [m["train_loss"] for m in ours] == pytest.approx([m["train_loss"] for m in theirs], rel=1e-6)
+    assert ours[-1]["val_loss"] == pytest.approx(theirs[-1]["val_loss"], rel=1e-6)
     assert ckpt.verify(ckpt.latest_checkpoint(two_process_runs / case / "checkpoints"))["layout"]["processes"] == 2
 
 
