@@ -144,6 +144,10 @@ NS_RMS = "isoloco_fast merge.ortho=newton_schulz merge.scale=rms"
 #: Each method's outer step chosen at R = 16 in the R-to-128 grid (results/claims/r128/selection.md),
 #: which its runs at R <= 32 take, as the r128-grid report labels them.
 R16_DILOCO, R16_ISOLOCO = "diloco outer.lr=1.0 outer.momentum=0.6", "isoloco outer.lr=1.5 outer.momentum=0.6"
+#: Gaps to data-parallel training the paper publishes, drawn beside a report's gap against R:
+#: its 178M model at R = 128, IsoLoCo +9.7% and DiLoCo +16.5% ("Can Model Merging Improve
+#: Aggregation in DiLoCo?", 2026).
+PUBLISHED = {"r128-grid": ["isoloco (paper, 178M)@128=9.7", "diloco (paper, 178M)@128=16.5"]}
 #: Each method's best outer setting in strongest-search, as the strongest-seeds report labels it.
 TUNED_DILOCO, TUNED_ISOLOCO = "diloco outer.lr=1.0 outer.momentum=0.3", "isoloco outer.lr=1.5 outer.momentum=0.6"
 
@@ -627,7 +631,9 @@ def main() -> None:
             print(f"{folder}: {link_view(root, folder)} runs linked")
         # "A:B" compares two methods; "A:B::C:D" contrasts two such differences.
         compare = [arg for pair in REPORTS[folder] for arg in ("--contrast" if "::" in pair else "--compare", pair)]
-        subprocess.run([sys.executable, "-m", "isoloco", "report", str(root / folder), *compare], check=True)
+        published = [arg for points in PUBLISHED.get(folder, []) for arg in ("--published", points)]
+        subprocess.run([sys.executable, "-m", "isoloco", "report", str(root / folder), *compare, *published],
+                       check=True)
 
 
 if __name__ == "__main__":

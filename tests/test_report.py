@@ -361,6 +361,39 @@ def test_a_bad_margin_exits_2_naming_the_value_and_the_fix(tmp_path, capsys, mar
     assert not (tmp_path / "results.md").exists()  # refused before any work
 
 
+def test_published_gaps_are_drawn_beside_the_gap_against_r(tmp_path):
+    """`--published`: hollow stars at the published R and gap, in the colour of the method the
+    label starts with (a label of no method gets a colour of its own), on the gap plot only."""
+    from isoloco.report.plots import _against
+
+    _fake_run(tmp_path, "dp-s0", 4.0, method="dp", workers=1)
+    for method, base in (("diloco", 4.2), ("isoloco", 4.1)):
+        for r in (1, 2):
+            _fake_run(tmp_path, f"{method}-R{r}-H3-s0", base + r / 10, method=method, workers=r, inner_steps=3)
+    runs = load_runs(tmp_path)
+    published = [("isoloco (paper, 178M)", {128: 9.7, 64: 8.0}), ("someone else", {4: 1.5})]
+    ax = _against(runs, "workers", True, published).axes[0]
+    colors = {c.get_label(): c.lines[0].get_color() for c in ax.containers}
+    stars = {line.get_label(): line for line in ax.get_lines() if line.get_marker() == "*"}
+    assert list(stars["isoloco (paper, 178M)"].get_xdata()) == [64, 128]
+    assert list(stars["isoloco (paper, 178M)"].get_ydata()) == [8.0, 9.7]
+    assert stars["isoloco (paper, 178M)"].get_color() == colors["isoloco"] != colors["diloco"]
+    assert stars["someone else"].get_color() not in colors.values()
+    assert [int(tick) for tick in ax.get_xticks()] == [1, 2, 4, 64, 128]
+    assert main(["report", str(tmp_path), "--published", "isoloco (paper, 178M)@128=9.7,64=8"]) == 0
+    assert (tmp_path / "plots" / "gap_vs_R.png").is_file()
+
+
+@pytest.mark.parametrize("points", ["isoloco", "@128=9.7", "isoloco@128", "isoloco@R=9.7", "isoloco@0=9.7",
+                                    "isoloco@128=nan"])
+def test_a_bad_published_point_exits_2_naming_the_value_and_the_fix(tmp_path, capsys, points):
+    _fake_run(tmp_path, "dp-s0", 4.0, method="dp", workers=1)
+    assert main(["report", str(tmp_path), "--published", points]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --published {points!r}") and "example: --published" in err
+    assert not (tmp_path / "results.md").exists()  # refused before any work
+
+
 def test_a_margin_is_a_percentage():
     from isoloco.report.command import _margin
 

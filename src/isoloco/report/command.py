@@ -8,12 +8,13 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import yaml
 
 from isoloco.errors import ReportError
 from isoloco.report.compare import COMPARE_FILE, CONTRAST_FILE, compare_markdown, contrast_markdown, named_runs
-from isoloco.report.plots import write_plots
+from isoloco.report.plots import Published, write_plots
 from isoloco.report.runs import RunResult, finished_runs, group_runs, load_runs
 from isoloco.report.stats import DEFAULT_MARGIN_PCT
 from isoloco.report.tables import (CSV_FILE, MARKDOWN_FILE, PLOT_DIR, SUMMARY_CSV_FILE, results_csv, results_markdown,
@@ -21,14 +22,15 @@ from isoloco.report.tables import (CSV_FILE, MARKDOWN_FILE, PLOT_DIR, SUMMARY_CS
 from isoloco.rundir import SWEEP_MANIFEST
 
 
-def write_report(directory: Path) -> list[tuple[RunResult, RunResult]]:
-    """Write the tables and plots; return the runs left out as repeats of a seed, each with the one kept."""
+def write_report(directory: Path, published: Sequence[Published] = ()) -> list[tuple[RunResult, RunResult]]:
+    """Write the tables and plots (`published` gaps drawn beside the runs' gap against R);
+    return the runs left out as repeats of a seed, each with the one kept."""
     repeats: list[tuple[RunResult, RunResult]] = []
     runs = load_runs(directory, repeats)
     groups = group_runs(runs)
     manifest_path = directory / SWEEP_MANIFEST
     manifest = yaml.safe_load(manifest_path.read_text()) if manifest_path.is_file() else None
-    plots = write_plots(runs, directory / PLOT_DIR)
+    plots = write_plots(runs, directory / PLOT_DIR, published)
     from isoloco.spectra import write_spectra_plots
 
     plots += write_spectra_plots(directory, runs, directory / PLOT_DIR)
@@ -44,13 +46,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     pairs = [_pair(text) for text in args.compare]
     contrasts = [_contrast(text) for text in args.contrast]
     margin_pct = _margin(args.margin)
+    published = [_published(text) for text in args.published]
     # Every label is read, and must name one setting at each point, before anything is written.
     finished = finished_runs(load_runs(directory))
     for option, labels in (("--compare", [label for pair in pairs for label in pair]),
                            ("--contrast", [label for both in contrasts for pair in both for label in pair])):
         for label in labels:
             named_runs(finished, label, option)
-    for left, kept in write_report(directory):
+    for left, kept in write_report(directory, published):
         print(f"warning: {left.name} repeats seed {left.seed} of {kept.name} (same method and settings): counted "
               f"once, as {kept.name}; give the rerun another seed or move it out of {directory}", file=sys.stderr)
     print(f"wrote {directory / MARKDOWN_FILE}, {CSV_FILE}, {SUMMARY_CSV_FILE} and {directory / PLOT_DIR}/")
@@ -79,6 +82,25 @@ def _pair(text: str) -> tuple[str, str]:
     if not sep or not a or not b:
         raise ReportError(f"--compare {text!r} is not A:B; example: --compare isoloco:diloco")
     return a, b
+
+
+def _published(text: str) -> Published:
+    """`LABEL@R=GAP[,R=GAP...]`: a published series of gaps to DP (%) at R workers."""
+    label, sep, points = text.rpartition("@")
+    example = "example: --published 'isoloco (paper, 178M)@128=9.7'"
+    if not sep or not label.strip():
+        raise ReportError(f"--published {text!r} is not LABEL@R=GAP[,R=GAP...]; {example}")
+    gaps = {}
+    for point in points.split(","):
+        workers, _, gap = point.partition("=")
+        try:
+            gaps[int(workers)] = float(gap)
+        except ValueError:
+            raise ReportError(f"--published {text!r}: {point!r} is not R=GAP (a whole number of workers, a gap to "
+                              f"DP in %); {example}") from None
+        if int(workers) < 1 or not math.isfinite(gaps[int(workers)]):
+            raise ReportError(f"--published {text!r}: {point!r} needs R >= 1 and a finite gap; {example}")
+    return label.strip(), gaps
 
 
 def _margin(text: str) -> float:
@@ -110,4 +132,8 @@ def add_report_command(subparsers: argparse._SubParsersAction) -> None:
                         help="the equivalence margin of --compare, in %% of B's mean final loss at each point: a "
                              "tie is called only when the 90%% interval of A − B lies inside ±PCT%% (two one-sided "
                              "t-tests at level 0.05; default %(default)s)")
+    report.add_argument("--published", action="append", default=[], metavar="LABEL@R=GAP[,R=GAP...]",
+                        help="draw a published gap to DP (%%) at R workers beside the runs' gap against R, as "
+                             "hollow stars labelled LABEL, in the colour of the method LABEL starts with "
+                             "(repeatable), e.g. 'isoloco (paper, 178M)@128=9.7'")
     report.set_defaults(func=cmd_report)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from isoloco.config import acts
 from isoloco.report.runs import DEFAULT_SETTINGS, RunResult, applies, group_runs, show_setting, sort_key
@@ -18,6 +18,9 @@ from isoloco.report.stats import DEFAULT_MARGIN_PCT, mean_std
 
 #: Axes a plot can put on x: run attribute -> (short label, axis title).
 X_AXES = {"workers": ("R", "workers R"), "inner_steps": ("H", "inner steps H")}
+
+#: A published series to draw beside the runs' gap to DP against R: (label, {R: gap %}).
+Published = tuple[str, dict[int, float]]
 
 
 def _save(fig: Any, path: Path) -> None:
@@ -121,8 +124,9 @@ def _loss_span(losses: Iterable[float]) -> float:
     return 2 * DEFAULT_MARGIN_PCT / 100 * max(losses, default=1.0)
 
 
-def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
-    """Final loss (or gap to DP) against `axis`: one line per method (and per other varying axis)."""
+def _against(runs: list[RunResult], axis: str, gap: bool, published: Sequence[Published] = ()) -> Any:
+    """Final loss (or gap to DP) against `axis`: one line per method (and per other varying axis),
+    and `published` gaps as hollow stars, in the colour of the method their label starts with."""
     from matplotlib.figure import Figure
 
     trained = [r for r in runs if not r.is_dp and r.final_val_loss is not None]
@@ -148,6 +152,12 @@ def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
         stats = [mean_std(points[x]) for x in xs]
         ax.errorbar([_dodge(x, index, len(series)) for x in xs], [m for m, _ in stats],
                     yerr=[s or 0.0 for _, s in stats], marker="o", capsize=3, color=colors[label], label=names[label])
+    methods = {firsts[label].method: colors[label] for label in reversed(list(series))}
+    for index, (label, points) in enumerate(published):
+        xs = sorted(points)
+        color = methods.get(label.split()[0], f"C{(len(series) + index) % 10}")
+        ax.plot(xs, [points[x] for x in xs], marker="*", markersize=12, linestyle="none", markerfacecolor="none",
+                color=color, label=label)
     if gap:
         ax.axhline(0.0, color="black", linestyle="--", linewidth=1, label="dp")
         ax.set_ylabel("gap to DP (%)")
@@ -160,7 +170,8 @@ def _against(runs: list[RunResult], axis: str, gap: bool) -> Any:
                        label="dp" if "tokens" not in varying else f"dp tokens={tokens}")
         ax.set_ylabel("final validation loss")
         _plain_y(ax, _loss_span(r.final_val_loss for r in trained))
-    _log2_axis(ax, sorted({getattr(r, axis) for r in trained}), X_AXES[axis][1])
+    _log2_axis(ax, sorted({getattr(r, axis) for r in trained}.union(*(points for _, points in published))),
+               X_AXES[axis][1])
     ax.grid(True, alpha=0.3)
     _legend_below(fig)
     return fig
@@ -368,8 +379,9 @@ def _participation(runs: list[RunResult]) -> Any:
     return fig
 
 
-def write_plots(runs: list[RunResult], folder: Path) -> list[tuple[str, str]]:
-    """Write every plot that has data; return (file name, caption) pairs in a fixed order."""
+def write_plots(runs: list[RunResult], folder: Path, published: Sequence[Published] = ()) -> list[tuple[str, str]]:
+    """Write every plot that has data, `published` gaps beside the gap against R; return (file
+    name, caption) pairs in a fixed order."""
     import matplotlib.style
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -382,7 +394,7 @@ def write_plots(runs: list[RunResult], folder: Path) -> list[tuple[str, str]]:
                     if gap and all(r.gap_pct is None for r in trained):
                         continue  # no dp run to measure a gap to: an empty chart says nothing
                     file = f"{stem}_vs_{short}.png"
-                    _save(_against(runs, axis, gap), folder / file)
+                    _save(_against(runs, axis, gap, published if gap and axis == "workers" else ()), folder / file)
                     written.append((file, f"{caption} vs {short}"))
         knobs = _knobs(runs)
         for key in sorted(knobs):
