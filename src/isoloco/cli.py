@@ -21,6 +21,7 @@ import yaml
 from isoloco import __version__, logs
 from isoloco.checkpoint import latest_to_resume, write_json_atomic, write_text_atomic
 from isoloco.cliargs import add_items, parse_late
+from isoloco.comm import played_islands
 from isoloco.config import (DEFAULT_PRESET, TrainConfig, describe_keys, excluded_matrices, from_dict, matrix_names,
                             parse_overrides, preset_names, resolve, run_warnings, split_items, to_dict)
 from isoloco.data.cli import add_data_commands
@@ -256,7 +257,7 @@ def _slow_link_said(summary: dict[str, Any], cfg: TrainConfig) -> str:
     if fewer is None:
         return "no slow link (one island)"
     source = summary["slow_link_bytes_source"]
-    islands = cfg.dist.islands or cfg.workers
+    islands = played_islands(cfg.workers, cfg.dist.islands)
     each = "one worker" if islands == cfg.workers else f"{cfg.workers // islands} workers"
     where = f"{islands} islands of {each} each" if source == "modelled" else "this layout"
     sent, float32 = summary["slow_link_bytes_per_round"], summary["slow_link_float32_bytes_per_round"]

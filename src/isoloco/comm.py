@@ -203,6 +203,11 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def played_islands(workers: int, islands: int) -> int:
+    """The islands the simulator plays with `dist.islands=islands` (0: each worker an island)."""
+    return islands or workers
+
+
 class LocalCommunicator(Communicator):
     """All R workers live in this process: collectives are local reductions."""
 
@@ -221,7 +226,7 @@ class LocalCommunicator(Communicator):
         self._worker_ids = list(worker_ids)
         if islands and len(worker_ids) % islands:
             raise ValueError(f"{len(worker_ids)} workers do not split into {islands} islands of equal size")
-        self._islands = islands or len(worker_ids)
+        self._islands = played_islands(len(worker_ids), islands)
 
     @property
     def num_workers(self) -> int:
