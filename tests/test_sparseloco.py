@@ -248,3 +248,19 @@ def test_torchft_refuses_it_in_one_line():
     with pytest.raises(ConfigError, match="outer.transport=sparseloco is not supported under torchft: torchft's "
                                           "DiLoCo all-reduces whole pseudo-gradients"):
         check_group_config(resolve("quick", {"workers": 2, "method": "sparseloco"}), 0, 1)
+
+
+def test_the_tuned_outer_lr_the_divergence_warning_names_is_the_committed_selection():
+    """`config.SPARSELOCO_TUNED_LR` quotes seed 0's choices of results/claims/compress-tuned: the
+    lr each SparseLoCo method chose at each R there (the row's `chosen` column, sgd-lr<x>)."""
+    from pathlib import Path
+
+    from isoloco.config import SPARSELOCO_TUNED_LR
+
+    selection = Path(__file__).resolve().parents[1] / "results/claims/compress-tuned/selection.md"
+    chosen: dict[str, dict[int, float]] = {}
+    for line in selection.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) == 5 and cells[0] == "sparseloco" and cells[4].startswith("sgd-lr"):
+            chosen.setdefault(cells[1], {})[int(cells[2])] = float(cells[4].removeprefix("sgd-lr"))
+    assert chosen == SPARSELOCO_TUNED_LR
