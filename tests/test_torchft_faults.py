@@ -48,6 +48,11 @@ def _meet(out: Path, mine: str, theirs: str) -> None:
     """Say `mine` and wait until the other process has said `theirs` (files in `out`): a group
     heartbeating to the lighthouse is waited for by a quorum, so this orders who joins which."""
     (out / mine).touch()
+    _await(out, theirs)
+
+
+def _await(out: Path, theirs: str) -> None:
+    """Wait until the other process has said `theirs` (a file in `out`)."""
     end = time.monotonic() + JOIN_S
     while not (out / theirs).exists():
         assert time.monotonic() < end, f"{theirs} never came"
@@ -56,8 +61,10 @@ def _meet(out: Path, mine: str, theirs: str) -> None:
 
 class _Survivor:
     """Replica group 0: it starts training once group 1 has, so both are in the first quorum;
-    once it has committed round 1 alone, it waits for group 1's second life to be training, so
-    that the next quorum takes both (not a third round alone)."""
+    once it has committed round 1 alone, it waits for group 1's second life to be training, and
+    before the step that asks for round 2's quorum, for that life to have asked for it: torchft
+    forms a quorum at once when the groups of the last one ask (a fast quorum), so asking first
+    would give a third round alone, not one of both."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -67,6 +74,8 @@ class _Survivor:
             _meet(self.out, "started-0", "started-1")
         if step == ALONE:
             _meet(self.out, "alone", "back")
+        if step == ALONE + 1:
+            _await(self.out, "asked")
 
 
 class _Killed:
@@ -95,9 +104,24 @@ class _Restarted:
             self.started = True
             _meet(self.out, "back", "alone")
 
+    def asking(self) -> None:
+        """torchft's Manager is about to ask for a quorum: after the first step, say so."""
+        if self.started:
+            (self.out / "asked").touch()
+
 
 def _fault_group(cfg: TrainConfig, replica: int, lighthouse: str, out: Path, on_step, name: str) -> None:
     torch.set_num_threads(1)
+    if isinstance(on_step, _Restarted):
+        from torchft.manager import Manager
+
+        ask = Manager.start_quorum
+
+        def start_quorum(manager: Manager, *args, **kwargs) -> None:
+            on_step.asking()
+            return ask(manager, *args, **kwargs)
+
+        Manager.start_quorum = start_quorum  # this process is this group's alone
     record_synchronisations(out / name)
     run_replica_group(cfg, replica, lighthouse, on_step=on_step).save(out / name)
 
