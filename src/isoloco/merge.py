@@ -524,12 +524,13 @@ class Merger:
         sizes = [math.prod(job.phases[phase].shape) for job in jobs]
         offsets = [0, *itertools.accumulate(sizes)][:-1]
         workers = range(len(self.comm.local_worker_ids))
+
+        def zeros() -> torch.Tensor:
+            return self._zeros(jobs, sum(sizes), round)
+
         if collective == "sum":
             def build(onto: torch.Tensor | None) -> torch.Tensor | None:
                 return self._contribution(jobs, phase, round, workers, onto)
-
-            def zeros() -> torch.Tensor:
-                return self._zeros(jobs, sum(sizes), round)
 
             if any(job.phases[phase].in_order for job in jobs):
                 handle = self.comm.sum_in_order_async(
@@ -539,8 +540,7 @@ class Merger:
                 handle = self.comm.sum_async(buffer if buffer is not None else zeros())
         else:
             buffers = [self._contribution(jobs, phase, round, [index]) for index in workers]
-            handle = self.comm.gather_async([buffer if buffer is not None else self._zeros(jobs, sum(sizes), round)
-                                             for buffer in buffers])
+            handle = self.comm.gather_async([buffer if buffer is not None else zeros() for buffer in buffers])
         return handle, offsets
 
     @staticmethod

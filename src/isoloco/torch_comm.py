@@ -149,7 +149,7 @@ class TorchCommunicator(Communicator):
         # an island can add nothing before the islands ahead of it have.
         template = zeros()
         self._count(template)
-        width = -(-template.numel() // self._slices)
+        width = self._slice_width(template.numel())
         ready_at = self._cross("chain_sum", width * template.element_size())
         islands, workers = self._layout.islands, self.local_worker_ids
         receives = self.island > 0 and started(workers[0])
@@ -218,10 +218,14 @@ class TorchCommunicator(Communicator):
         """This process's slice of `tensor` flattened (equal slices, the last zero-padded), so
         that the island's all-gather can join them."""
         flat = tensor.reshape(-1)
-        width = -(-flat.numel() // self._slices)
+        width = self._slice_width(flat.numel())
         if self._slices > 1:
             flat = torch.nn.functional.pad(flat, (0, width * self._slices - flat.numel()))
         return flat[self._slot * width:(self._slot + 1) * width]
+
+    def _slice_width(self, numel: int) -> int:
+        """The elements of each process's slice of a tensor of `numel` (the last zero-padded)."""
+        return -(-numel // self._slices)
 
     def _joined(self, exchanged: torch.Tensor, numel: int) -> torch.Tensor:
         """The island's slices of a cross-island result joined over its fast link: shape
