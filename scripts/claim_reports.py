@@ -141,9 +141,10 @@ def link_view(root: Path, view: str) -> int:
 NS_RMS = "isoloco_fast merge.ortho=newton_schulz merge.scale=rms"
 
 
-#: Each method's outer step chosen at R = 16 in the R-to-128 grid (results/claims/r128/selection.md),
-#: which its runs at R <= 32 take, as the r128-grid report labels them.
-R16_DILOCO, R16_ISOLOCO = "diloco outer.lr=1.0 outer.momentum=0.6", "isoloco outer.lr=1.5 outer.momentum=0.6"
+#: folder -> the settings its grid chose per R (`isoloco report --tuned`): the R-to-128 grid runs each
+#: method at the outer step searched at R = 16 or at R = 128 (results/claims/r128/selection.md), so a
+#: method's runs at every R are one series.
+TUNED = {"r128-grid": "outer.lr,outer.momentum"}
 #: Gaps to data-parallel training the paper publishes, drawn beside a report's gap against R:
 #: its 178M model at R = 128, IsoLoCo +9.7% and DiLoCo +16.5% ("Can Model Merging Improve
 #: Aggregation in DiLoCo?", 2026).
@@ -279,7 +280,7 @@ REPORTS: dict[str, list[str]] = {
     "r1-fedavg": [f"{TUNED_ISOLOCO}:diloco_sgd", "isoloco outer.lr=1.2 outer.momentum=0.8:diloco_sgd",
                   f"diloco_sgd:{TUNED_DILOCO}", "diloco_sgd:dp"],
     "claim4-tuned": ["isoloco:isoc outer.lr=2.1", "isoloco:isoc outer.lr=3.0"],
-    "r128-grid": [f"{R16_ISOLOCO}:{R16_DILOCO}", f"{R16_DILOCO}:dp", f"{R16_ISOLOCO}:dp"],
+    "r128-grid": ["isoloco:diloco", "diloco:dp", "isoloco:dp"],
     "compressed-science": tuned_pairs(compressed_label, COMPRESSED_SETTINGS, head_to_head=False),
     "compress-science": tuned_pairs(compress_label, COMPRESS_SETTINGS),
     "lossless-science": tuned_pairs(compressed_label, tuple(kw for kw in COMPRESSED_SETTINGS if kw.get("feedback"))),
@@ -632,7 +633,8 @@ def main() -> None:
         # "A:B" compares two methods; "A:B::C:D" contrasts two such differences.
         compare = [arg for pair in REPORTS[folder] for arg in ("--contrast" if "::" in pair else "--compare", pair)]
         published = [arg for points in PUBLISHED.get(folder, []) for arg in ("--published", points)]
-        subprocess.run([sys.executable, "-m", "isoloco", "report", str(root / folder), *compare, *published],
+        tuned = ["--tuned", TUNED[folder]] if folder in TUNED else []
+        subprocess.run([sys.executable, "-m", "isoloco", "report", str(root / folder), *compare, *published, *tuned],
                        check=True)
 
 

@@ -394,6 +394,55 @@ def test_a_bad_published_point_exits_2_naming_the_value_and_the_fix(tmp_path, ca
     assert not (tmp_path / "results.md").exists()  # refused before any work
 
 
+def _tuned_grid(root: Path) -> None:
+    """dp and two methods at R = 1, 2, 4 over two seeds: DiLoCo's outer lr chosen per R (0.7 up to
+    R = 2, 0.4 at R = 4), IsoLoCo's one setting throughout."""
+    for seed, dp_loss in ((0, 4.0), (1, 5.0)):
+        _fake_run(root, f"dp-s{seed}", dp_loss, method="dp", seed=seed, workers=1)
+        for r in (1, 2, 4):
+            _fake_run(root, f"diloco-R{r}-H3-s{seed}", dp_loss + 0.2 * r, method="diloco", workers=r,
+                      inner_steps=3, seed=seed, **{"outer.lr": 0.7 if r <= 2 else 0.4})
+            _fake_run(root, f"isoloco-R{r}-H3-s{seed}", dp_loss + 0.1 * r, method="isoloco", workers=r,
+                      inner_steps=3, seed=seed)
+
+
+def test_settings_tuned_per_r_make_one_series_that_shows_each_rs_choice(tmp_path):
+    """`--tuned outer.lr`: DiLoCo's runs at two outer lrs are one row per R and one series, each
+    row showing its lr; without it they are two variants (two series)."""
+    from isoloco.report.plots import _against
+
+    _tuned_grid(tmp_path)
+    apart = {r.label for r in load_runs(tmp_path) if r.method == "diloco"}
+    assert apart == {"diloco outer.lr=0.7", "diloco outer.lr=0.4"}
+    runs = load_runs(tmp_path, tuned=["outer.lr"])
+    assert {r.label for r in runs if r.method == "diloco"} == {"diloco"}
+    assert {(r.workers, r.tuned) for r in runs if r.method == "diloco"} == {
+        (1, "outer.lr=0.7"), (2, "outer.lr=0.7"), (4, "outer.lr=0.4")}
+    ax = _against(runs, "workers", True).axes[0]
+    series = {c.get_label(): [round(x) for x in c.lines[0].get_xdata()] for c in ax.containers}  # dodged apart
+    assert series == {"diloco (lr tuned per R)": [1, 2, 4], "isoloco": [1, 2, 4]}
+    assert main(["report", str(tmp_path), "--tuned", "outer.lr", "--compare", "diloco:dp"]) == 0
+    summary = [(r["method"], r["R"], r["variant"], r["seeds"]) for r in csv.DictReader((tmp_path / "summary.csv").open())]
+    assert ("diloco", "4", "outer.lr=0.4", "2") in summary and ("diloco", "2", "outer.lr=0.7", "2") in summary
+    assert "| diloco | 4 | 3 | outer.lr=0.4 | 2 |" in (tmp_path / "results.md").read_text()
+    compared = (tmp_path / "compare.md").read_text()
+    assert "| 4 | 3 | 2 | +0.8000 ± 0.0000 |" in compared  # R = 4 at its own lr against dp
+    assert "from R = 1 to R = 4" in compared
+
+
+def test_a_tuned_setting_with_two_values_at_one_r_or_an_unknown_key_exits_2(tmp_path, capsys):
+    _tuned_grid(tmp_path)
+    _fake_run(tmp_path, "diloco-R4-H3-s0-lr1", 4.9, method="diloco", workers=4, inner_steps=3,
+              **{"outer.lr": 1.0})
+    assert main(["report", str(tmp_path), "--tuned", "outer.lr"]) == 2
+    err = capsys.readouterr().err
+    assert "diloco-R4-H3-s0 (outer.lr=0.4) and diloco-R4-H3-s0-lr1 (outer.lr=1.0)" in err
+    assert "leave outer.lr out of --tuned" in err
+    assert main(["report", str(tmp_path), "--tuned", "outer.lrr"]) == 2
+    assert "--tuned outer.lrr: not a setting" in capsys.readouterr().err
+    assert not (tmp_path / "results.md").exists()  # refused before any work
+
+
 def test_a_margin_is_a_percentage():
     from isoloco.report.command import _margin
 

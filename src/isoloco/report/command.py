@@ -22,11 +22,13 @@ from isoloco.report.tables import (CSV_FILE, MARKDOWN_FILE, PLOT_DIR, SUMMARY_CS
 from isoloco.rundir import SWEEP_MANIFEST
 
 
-def write_report(directory: Path, published: Sequence[Published] = ()) -> list[tuple[RunResult, RunResult]]:
-    """Write the tables and plots (`published` gaps drawn beside the runs' gap against R);
-    return the runs left out as repeats of a seed, each with the one kept."""
+def write_report(directory: Path, published: Sequence[Published] = (),
+                 tuned: Sequence[str] = ()) -> list[tuple[RunResult, RunResult]]:
+    """Write the tables and plots (`published` gaps drawn beside the runs' gap against R; `tuned`
+    settings chosen per R, as `load_runs` takes them); return the runs left out as repeats of a
+    seed, each with the one kept."""
     repeats: list[tuple[RunResult, RunResult]] = []
-    runs = load_runs(directory, repeats)
+    runs = load_runs(directory, repeats, tuned)
     groups = group_runs(runs)
     manifest_path = directory / SWEEP_MANIFEST
     manifest = yaml.safe_load(manifest_path.read_text()) if manifest_path.is_file() else None
@@ -47,21 +49,22 @@ def cmd_report(args: argparse.Namespace) -> int:
     contrasts = [_contrast(text) for text in args.contrast]
     margin_pct = _margin(args.margin)
     published = [_published(text) for text in args.published]
+    tuned = [key.strip() for text in args.tuned for key in text.split(",") if key.strip()]
     # Every label is read, and must name one setting at each point, before anything is written.
-    finished = finished_runs(load_runs(directory))
+    finished = finished_runs(load_runs(directory, tuned=tuned))
     for option, labels in (("--compare", [label for pair in pairs for label in pair]),
                            ("--contrast", [label for both in contrasts for pair in both for label in pair])):
         for label in labels:
             named_runs(finished, label, option)
-    for left, kept in write_report(directory, published):
+    for left, kept in write_report(directory, published, tuned):
         print(f"warning: {left.name} repeats seed {left.seed} of {kept.name} (same method and settings): counted "
               f"once, as {kept.name}; give the rerun another seed or move it out of {directory}", file=sys.stderr)
     print(f"wrote {directory / MARKDOWN_FILE}, {CSV_FILE}, {SUMMARY_CSV_FILE} and {directory / PLOT_DIR}/")
     if pairs:
-        (directory / COMPARE_FILE).write_text(compare_markdown(load_runs(directory), pairs, margin_pct))
+        (directory / COMPARE_FILE).write_text(compare_markdown(load_runs(directory, tuned=tuned), pairs, margin_pct))
         print(f"wrote {directory / COMPARE_FILE}")
     if contrasts:
-        (directory / CONTRAST_FILE).write_text(contrast_markdown(load_runs(directory), contrasts))
+        (directory / CONTRAST_FILE).write_text(contrast_markdown(load_runs(directory, tuned=tuned), contrasts))
         print(f"wrote {directory / CONTRAST_FILE}")
     return 0
 
@@ -136,4 +139,8 @@ def add_report_command(subparsers: argparse._SubParsersAction) -> None:
                         help="draw a published gap to DP (%%) at R workers beside the runs' gap against R, as "
                              "hollow stars labelled LABEL, in the colour of the method LABEL starts with "
                              "(repeatable), e.g. 'isoloco (paper, 178M)@128=9.7'")
+    report.add_argument("--tuned", action="append", default=[], metavar="KEY[,KEY...]",
+                        help="settings a search chose at each R and H, e.g. outer.lr,outer.momentum: a method's "
+                             "runs that differ only in them form one series in the tables and plots, each row "
+                             "showing its values (two values at one R and H is an error; repeatable)")
     report.set_defaults(func=cmd_report)

@@ -75,8 +75,14 @@ def _legend_names(series: dict[str, RunResult], axes: list[str], ignore: frozens
     short = {key: leaf if leaves.count(leaf) == 1 else key for key, leaf in zip(keys, leaves)}
     return {label: " ".join([run.method, *(f"{short[key]}={_typed(settings[label].get(key))}" for key in keys
                                           if named(label, key) and _typed(settings[label].get(key))),
-                             *(f"{_AXIS_NAMES[axis]}={getattr(run, axis)}" for axis in axes)])
+                             *(f"{_AXIS_NAMES[axis]}={getattr(run, axis)}" for axis in axes)]) + _tuned_note(run)
             for label, run in series.items()}
+
+
+def _tuned_note(run: RunResult) -> str:
+    """What a legend adds for a series whose settings were chosen at each R (the report's --tuned)."""
+    keys = [part.partition("=")[0].rsplit(".", 1)[-1] for part in run.tuned.split()]
+    return f" ({', '.join(keys)} tuned per R)" if keys else ""
 
 
 def _dodge(x: float, index: int, count: int) -> float:

@@ -8,7 +8,7 @@ import json
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import yaml
 
@@ -52,11 +52,19 @@ class RunResult:
     # The variant, plus its values of the settings other methods vary that apply to it: what the
     # tables show, so that a method run with one setting does not read as "—" beside the others.
     shown_variant: str = ""
+    # Its values of the settings a search chose at each R (the report's `tuned` keys that vary):
+    # shown, but not part of the variant, so that a tuned method's runs at every R are one series.
+    tuned: str = ""
 
     @property
     def label(self) -> str:
         """The method, and its variant when it has one: what `--compare` names."""
         return f"{self.method} {self.variant}" if self.variant else self.method
+
+    @property
+    def settings_shown(self) -> str:
+        """The variant and the tuned settings: every setting that sets the run apart but its seed."""
+        return " ".join(part for part in (self.variant, self.tuned) if part)
 
     @property
     def unstable(self) -> bool:
@@ -110,6 +118,16 @@ def _read_curve(records: list[dict[str, Any]]) -> tuple[tuple[int, int, float], 
 DEFAULT_SETTINGS = flatten(to_dict(TrainConfig()))
 
 
+def _is_setting(key: str) -> bool:
+    """Whether a config key is one of a run's settings: it changes what the run computes, and it is
+    neither the seed nor an axis of the tables."""
+    return key not in EXECUTION_KEYS and key not in ("seed", "method", "workers", "inner_steps")
+
+
+#: The settings of a run at its defaults: what --tuned may name.
+TUNABLE_KEYS = frozenset(filter(_is_setting, DEFAULT_SETTINGS))
+
+
 def load_run(run_dir: Path) -> RunResult:
     cfg = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
     summary = json.loads((run_dir / SUMMARY_FILE).read_text()) if (run_dir / SUMMARY_FILE).is_file() else {}
@@ -118,7 +136,7 @@ def load_run(run_dir: Path) -> RunResult:
     # A key an older config lacks has its default value, not a value of its own.
     saved = {**DEFAULT_SETTINGS, **flatten(cfg)}
     settings = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
-                if k not in EXECUTION_KEYS and k not in ("seed", "method", "workers", "inner_steps")}
+                if _is_setting(k)}
     settings["processes"] = summary.get("processes", 1)
     records = _records(run_dir / METRICS_FILE)
     evaluations = _read_curve(records)
@@ -143,17 +161,24 @@ def load_run(run_dir: Path) -> RunResult:
         settings=tuple(sorted(settings.items())))
 
 
-def load_runs(directory: Path, repeats: list[tuple[RunResult, RunResult]] | None = None) -> list[RunResult]:
+def load_runs(directory: Path, repeats: list[tuple[RunResult, RunResult]] | None = None,
+              tuned: Sequence[str] = ()) -> list[RunResult]:
     """Every run directly under `directory`, sorted, each with its gap to the matching dp run. Of
     two runs of one point with the same seed, the first by name is kept; `repeats`, when given,
-    receives each (left out, kept) pair."""
+    receives each (left out, kept) pair. `tuned`: settings a search chose per point (R, H and
+    budget), so that a method's runs that differ only in them form one series."""
+    unknown = [key for key in tuned if key not in TUNABLE_KEYS]
+    if unknown:
+        raise ReportError(f"--tuned {','.join(unknown)}: not a setting a run's config can vary; give config keys "
+                          "such as --tuned outer.lr,outer.momentum")
     if not directory.is_dir():
         raise ReportError(f"{directory} is not a directory: give the folder a sweep wrote its runs to")
     runs = [load_run(p) for p in directory.iterdir() if (p / CONFIG_FILE).is_file()]
     if not runs:
         raise ReportError(f"{directory} holds no run directories (folders with {CONFIG_FILE}); give the --out "
                           "folder of `isoloco sweep` or a folder of `isoloco train` runs")
-    runs = _drop_repeats(sorted(_with_variants(runs), key=sort_key), repeats if repeats is not None else [])
+    runs = sorted(runs, key=lambda run: run.name)  # in name order, so that an error names the same runs each time
+    runs = _drop_repeats(sorted(_with_variants(runs, tuned), key=sort_key), repeats if repeats is not None else [])
     # The reference of a run: the dp run of its budget and seed, of the strongest dp variant.
     strongest = {budget: variants[0] for budget, variants in dp_variants(runs).items()}
     reference = {(r.budget, r.seed): r.final_val_loss for r in runs if r.is_dp and r.final_val_loss is not None
@@ -202,9 +227,16 @@ def applies(key: str, method: str) -> bool:
     return key not in _METHOD_KEYS or key in METHODS.get(method, {})
 
 
-def _with_variants(runs: list[RunResult]) -> list[RunResult]:
-    """Each run with its variant: the settings whose values differ between the runs of its method;
-    and what the tables show of it: those, and its values of the settings other methods vary."""
+def _written(run: RunResult, keys: Iterable[str]) -> str:
+    """The run's values of `keys`, `key=value ...`."""
+    own = dict(run.settings)
+    return " ".join(f"{key}={show_setting(own.get(key))}" for key in keys)
+
+
+def _with_variants(runs: list[RunResult], tuned: Sequence[str] = ()) -> list[RunResult]:
+    """Each run with its variant: the settings whose values differ between the runs of its method,
+    but the `tuned` ones, which go to its `tuned` field and must take one value per point; and what
+    the tables show of it: those, and its values of the settings other methods vary."""
     by_method: dict[str, list[RunResult]] = {}
     for run in runs:
         by_method.setdefault(run.method, []).append(run)
@@ -219,11 +251,19 @@ def _with_variants(runs: list[RunResult]) -> list[RunResult]:
     labelled = []
     for method, members in by_method.items():
         shown = sorted({*varying[method], *(key for key in anywhere if applies(key, method))})
+        first_at: dict[tuple, RunResult] = {}  # point -> its first run
         for run in members:
-            own = dict(run.settings)
-            labelled.append(replace(
-                run, variant=" ".join(f"{key}={show_setting(own.get(key))}" for key in varying[method]),
-                shown_variant=" ".join(f"{key}={show_setting(own.get(key))}" for key in shown)))
+            run = replace(run, variant=_written(run, (k for k in varying[method] if k not in tuned)),
+                          tuned=_written(run, (k for k in varying[method] if k in tuned)),
+                          shown_variant=_written(run, shown))
+            point = (run.workers, run.inner_steps, run.budget, run.variant)
+            earlier = first_at.setdefault(point, run)
+            if earlier.tuned != run.tuned:
+                raise ReportError(
+                    f"{earlier.name} ({earlier.tuned}) and {run.name} ({run.tuned}) are runs of one point with "
+                    f"different tuned settings: --tuned takes settings chosen once per R and H; leave "
+                    f"{', '.join(tuned)} out of --tuned, or report the runs apart")
+            labelled.append(run)
     return labelled
 
 

@@ -61,7 +61,7 @@ def results_csv(runs: list[RunResult]) -> str:
          "ended_above_unigram", "wall_time_s", "cpu_time_s",
          *(["cross_island_wire_bytes", "exposed_sync_seconds"] if link else []),
          *(["slow_link_bytes_per_round", "slow_link_fewer_than_float32"] if slow else []), "status"],
-        ([r.name, r.method, fmt(r.workers, "d"), fmt(r.inner_steps, "d"), r.variant, str(r.seed), r.model,
+        ([r.name, r.method, fmt(r.workers, "d"), fmt(r.inner_steps, "d"), r.settings_shown, str(r.seed), r.model,
           str(r.tokens), fmt(r.final_val_loss, ".6f"), fmt(r.gap_pct, ".4f"),
           fmt(r.peak and r.peak[1], ".6f"), fmt(r.peak and r.peak[0], "d"), str(r.rose_above_unigram).lower(),
           str(r.above_after_first).lower(), str(r.unstable).lower(),
@@ -83,7 +83,7 @@ def summary_csv(groups: list[Group]) -> str:
         exposed, _ = mean_std(g.values("exposed_sync_s"))
         slow_link, _ = mean_std(g.values("slow_link_bytes"))
         fewer, _ = mean_std(g.values("fewer_than_float32"))
-        rows.append([g.first.method, fmt(g.first.workers, "d"), fmt(g.first.inner_steps, "d"), g.first.variant,
+        rows.append([g.first.method, fmt(g.first.workers, "d"), fmt(g.first.inner_steps, "d"), g.first.settings_shown,
                      g.first.model, str(g.first.tokens), str(len(g.values("final_val_loss"))), fmt(loss, ".6f"),
                      fmt(loss_std, ".6f"), fmt(gap, ".4f"), fmt(gap_std, ".4f"), fmt(g.peak_loss, ".6f"),
                      str(sum(r.rose_above_unigram for r in g.runs)), str(sum(r.unstable for r in g.runs)),
@@ -163,8 +163,8 @@ def results_markdown(title: str, runs: list[RunResult], groups: list[Group], man
                       "(one seed is one sample): " + "; ".join(f"{left.name} (seed {left.seed}, as {kept.name})"
                                                                for left, kept in repeats) + "."]
     # A variant column only where runs of one method differ in more than seed, R and H.
-    variant = (lambda r: [r.shown_variant or "—"]) if any(r.variant for r in runs) else (lambda r: [])
-    variant_header = ["variant"] if any(r.variant for r in runs) else []
+    variant = (lambda r: [r.shown_variant or "—"]) if any(r.settings_shown for r in runs) else (lambda r: [])
+    variant_header = ["variant"] if any(r.settings_shown for r in runs) else []
     # Link columns only where a run records its traffic; older runs show "—" beside newer ones.
     link, slow = _has_link(runs), _has_slow_link(runs)
     link_header = (["wire bytes", "exposed sync (s)"] if link else []) + (
