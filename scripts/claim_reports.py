@@ -468,7 +468,7 @@ def unrounded_p(report: Path) -> dict[RowKey, float | None]:
     """The p of every row of a report's compare.md or contrast.md, unrounded: recomputed from the
     runs of the report's folder, for the pairs (or contrasts) its `## ` headings name, by the
     functions that wrote the tables (a row that makes no test: None)."""
-    from isoloco.report import compare_tests, contrast_tests, load_runs
+    from isoloco.report import SUMMARY_SECTIONS, compare_tests, contrast_tests, load_runs
 
     headings = [line[3:] for line in report.read_text().splitlines() if line.startswith("## ")]
     runs = load_runs(report.parent)
@@ -476,7 +476,7 @@ def unrounded_p(report: Path) -> dict[RowKey, float | None]:
         rows = contrast_tests(runs, [tuple(_split_pair(side.strip("()")) for side in heading.split(") − ("))
                                      for heading in headings])
     else:
-        rows = compare_tests(runs, [_split_pair(heading) for heading in headings if heading != "Every pair"])
+        rows = compare_tests(runs, [_split_pair(heading) for heading in headings if heading not in SUMMARY_SECTIONS])
     found: dict[RowKey, float | None] = {}
     for row in rows:
         key = (row.name, row.workers, row.inner_steps, row.seeds, row.value)
@@ -506,17 +506,20 @@ def quoted_tests(doc: Path) -> list[dict[str, str | float]]:
         if not marker or not marker["file"].endswith("compare.md"):
             continue
         for cells in table_rows(Path(marker["file"]), marker["section"], marker["rows"]):
-            if cells.get("p (BH)", "—") == "—":
+            # A point's p is "raw (adjusted within its report)"; a change with R's is raw alone.
+            printed_p = cells.get("p (BH)", cells.get("p", "—"))
+            if printed_p == "—":
                 continue
-            # The difference and equivalence columns are named after the pair and the margin.
+            # The difference and equivalence columns are named after the pair and the margin (a change
+            # with R has no equivalence test).
             difference = next(value for name, value in cells.items() if name.endswith("(final loss)"))
-            equivalence = next(value for name, value in cells.items() if name.startswith("equivalence"))
+            equivalence = next((value for name, value in cells.items() if name.startswith("equivalence")), "")
             key = (cells["R"], cells["H"], cells["seeds"], difference, equivalence)
             if key in tests:
                 continue
             pair = cells.get("A − B", marker["section"])
             tests[key] = {"report": marker["file"], "pair": pair, "R": cells["R"], "H": cells["H"],
-                          "seeds": cells["seeds"], "difference": difference, "p": cells["p (BH)"].split()[0],
+                          "seeds": cells["seeds"], "difference": difference, "p": printed_p.split()[0],
                           "call": cells["call"],
                           "exact": quoted_p(Path(marker["file"]), (pair, cells["R"], cells["H"], cells["seeds"],
                                                                    difference))}
@@ -549,11 +552,11 @@ def quoted_contrasts(doc: Path) -> list[dict[str, str | float]]:
 def page_tests_markdown(doc: Path) -> str:
     """The page's tests adjusted together: how many are called before and after a Benjamini–Hochberg
     adjustment over all of them (their unrounded p-values), and the calls it drops."""
-    from isoloco.report import benjamini_hochberg
+    from isoloco.report import benjamini_hochberg, is_call
 
     tests = quoted_tests(doc)
     adjusted = benjamini_hochberg([float(test["exact"]) for test in tests])
-    called = [(test, adj) for test, adj in zip(tests, adjusted) if test["call"].endswith(" lower")]
+    called = [(test, adj) for test, adj in zip(tests, adjusted) if is_call(str(test["call"]))]
     dropped = [(test, adj) for test, adj in called if adj >= FDR]
 
     def rows(chosen):

@@ -170,6 +170,35 @@ def test_the_page_tests_are_adjusted_together_each_once_from_unrounded_p(doc):
         ("8", "0.0059"), ("2", "0.0618"), ("4", "1.0000"), ("16", "1.0000")]  # every test, by adjusted p
 
 
+def test_a_quoted_change_with_r_is_a_test_of_the_page_adjusted_with_the_points(doc):
+    """The change of isoloco − diloco from R = 2 to R = 8, quoted from compare.md's "Change with R",
+    is a fifth test: its p is the paired t-test's of the per-seed changes (closed form over three
+    seeds), and "gains on" counts as a call."""
+    from test_report import _paired_grid
+
+    from isoloco.report import compare_markdown, load_runs
+
+    folder = Path("grid")
+    differences = {r: PAGE_DIFFERENCES[r] for r in (2, 4, 8)}
+    _paired_grid(folder, differences)
+    (folder / "compare.md").write_text(compare_markdown(load_runs(folder), [("isoloco", "diloco")]))
+    doc.write_text('<!-- table: grid/compare.md "isoloco − diloco" -->\n\n| x |\n\n'
+                   '<!-- table: grid/compare.md "Change with R" -->\n\n| x |\n')
+    script = _script()
+    assert script.sync_doc(doc, write=True)
+    tests = script.quoted_tests(doc)
+    changes = [high - low for high, low in zip(differences[8], differences[2])]
+    assert [test["R"] for test in tests] == ["2", "4", "8", "2 → 8"]
+    assert tests[-1]["difference"].startswith(f"{sum(changes) / 3:+.4f} ± ")
+    assert tests[-1]["exact"] == pytest.approx(_two_dof_p(changes), rel=1e-9)
+    assert tests[-1]["p"] == f"{_two_dof_p(changes):.3f}"  # as compare.md prints it
+    assert tests[-1]["call"] == "isoloco gains on diloco as R grows"
+    exact = [_two_dof_p(differences[r]) for r in (2, 4, 8)] + [_two_dof_p(changes)]
+    text = script.page_tests_markdown(doc)
+    assert "4 paired tests in the compare tables the page quotes" in text and "3 of them called" in text
+    assert f"| {_plain_bh(exact)[-1]:.4f} | isoloco gains on diloco as R grows |" in text
+
+
 def test_a_folder_of_pages_counts_its_tests_as_one_page(doc):
     """The pair's rows quoted on two pages of a folder count once, as on one page: the same four tests,
     adjusted together, whichever page quotes them."""

@@ -31,8 +31,10 @@ One module per job: `runs` (loading runs), `tables` (results.csv, summary.csv, r
 """
 
 from isoloco.report.command import add_report_command, cmd_report, write_report
-from isoloco.report.compare import (COMPARE_FILE, CONTRAST_FILE, FDR, ONE_SEED, UNSTABLE_RUNS, TestRow,
-                                    compare_markdown, compare_tests, contrast_markdown, contrast_tests, label_settings)
+from isoloco.report.compare import (COMPARE_FILE, CONTRAST_FILE, FDR, ONE_SEED, SUMMARY_SECTIONS, UNSTABLE_RUNS,
+                                    TestRow,
+                                    compare_markdown, compare_tests, contrast_markdown, contrast_tests, is_call,
+                                    label_settings)
 from isoloco.report.plots import X_AXES, participation_lines, write_plots
 from isoloco.report.runs import Group, RunResult, dp_variants, group_runs, load_run, load_runs
 from isoloco.report.stats import (DEFAULT_MARGIN_PCT, benjamini_hochberg, mean_ci, paired_p, t_quantile, tost_p)
@@ -41,9 +43,9 @@ from isoloco.report.tables import (ABOVE_UNIGRAM_MARK, CSV_FILE, MARKDOWN_FILE, 
 
 __all__ = [
     "ABOVE_UNIGRAM_MARK", "COMPARE_FILE", "CONTRAST_FILE", "CSV_FILE", "DEFAULT_MARGIN_PCT", "FDR", "Group",
-    "MARKDOWN_FILE", "ONE_SEED", "PLOT_DIR", "RunResult", "SUMMARY_CSV_FILE", "TestRow", "UNSTABLE_MARK",
+    "MARKDOWN_FILE", "ONE_SEED", "PLOT_DIR", "RunResult", "SUMMARY_CSV_FILE", "SUMMARY_SECTIONS", "TestRow", "UNSTABLE_MARK",
     "UNSTABLE_RUNS", "X_AXES", "add_report_command", "benjamini_hochberg", "cmd_report", "compare_markdown",
-    "compare_tests", "contrast_markdown", "contrast_tests", "dp_variants", "group_runs", "label_settings", "load_run",
+    "compare_tests", "contrast_markdown", "contrast_tests", "dp_variants", "group_runs", "is_call", "label_settings", "load_run",
     "load_runs", "mean_ci", "paired_p", "participation_lines", "results_csv", "results_markdown", "summary_csv",
     "t_quantile", "tost_p", "write_plots", "write_report",
 ]

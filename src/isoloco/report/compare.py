@@ -19,6 +19,8 @@ from isoloco.report.stats import (DEFAULT_MARGIN_PCT, TOST_LEVEL, benjamini_hoch
 from isoloco.report.tables import dash, fmt, md_table
 
 COMPARE_FILE = "compare.md"
+#: compare.md's sections of every pair at once: the rows of every point, and each pair's change with R.
+SUMMARY_SECTIONS = ("Every pair", "Change with R")
 CONTRAST_FILE = "contrast.md"
 ONE_SEED = "one seed: no call"
 UNSTABLE_RUNS = "unstable run(s): no call"
@@ -98,25 +100,52 @@ def _interval(mean: float, half: float | None) -> str:
     return f"{mean:+.4f}" + (f" ± {half:.4f}" if half is not None else "")
 
 
-def _trend(points: dict[tuple, dict[int, tuple[RunResult, RunResult]]], a: str, b: str) -> list[str]:
+@dataclass(frozen=True)
+class Trend:
+    """How A − B changes from the smallest R to the largest (at the smallest H), paired by seed: the
+    per-seed changes, the call on them (a change is called when its 95% interval excludes 0) and
+    the paired t-test's p (None with one seed)."""
+
+    low: int
+    high: int
+    inner_steps: int
+    changes: list[float]
+    call: str
+    p: float | None
+
+    @property
+    def workers(self) -> str:
+        """The R column of the change-with-R table: from R to R."""
+        return f"{self.low} → {self.high}"
+
+    @property
+    def value(self) -> str:
+        return _interval(*mean_ci(self.changes))
+
+
+def _trend(points: dict[tuple, dict[int, tuple[RunResult, RunResult]]], a: str, b: str) -> Trend | None:
     """How A − B changes from the smallest R to the largest (at the smallest H), paired by seed, over
-    the points without unstable runs; nothing when fewer than two R are left."""
+    the points without unstable runs; None when fewer than two R are left."""
     stable = {key: by_seed for key, by_seed in points.items() if not _has_unstable(by_seed.values())}
     smallest_h = min((inner for _, inner, _ in stable), default=None)
     by_r = {workers: by_seed for (workers, inner, _), by_seed in stable.items() if inner == smallest_h}
     if len(by_r) < 2:
-        return []
+        return None
     low, high = min(by_r), max(by_r)
     common = sorted(set(by_r[low]) & set(by_r[high]))
     if not common:
-        return []
+        return None
     change = [at_high - at_low for at_high, at_low in zip(_differences(by_r[high][s] for s in common),
                                                           _differences(by_r[low][s] for s in common))]
     mean, half = mean_ci(change)
-    trend = (ONE_SEED if half is None else _undecided(len(common)) if abs(mean) <= half
-             else f"{a} gains on {b} as R grows" if mean < 0 else f"{a} loses ground to {b} as R grows")
-    return ["", f"Change of the difference from R = {low} to R = {high} ({len(common)} seeds): "
-                f"{_interval(mean, half)} ({trend})."]
+    call = (ONE_SEED if half is None else _undecided(len(common)) if abs(mean) <= half
+            else f"{a} gains on {b} as R grows" if mean < 0 else f"{a} loses ground to {b} as R grows")
+    return Trend(low, high, smallest_h, change, call, None if half is None else paired_p(change))
+
+
+def is_call(call: str) -> bool:
+    """Whether a compare.md call says a difference (or its change with R) is there."""
+    return call.endswith((" lower", " as R grows"))
 
 
 def label_settings(label: str, option: str = "--compare") -> tuple[str, dict[str, Any]]:
@@ -234,8 +263,9 @@ def contrast_markdown(runs: list[RunResult], contrasts: Contrasts) -> str:
     return "\n".join(parts) + "\n"
 
 
-#: A pair's runs at each point, and each point's tests, in the order of the points.
-JudgedPair = tuple[str, str, dict[tuple, dict[int, tuple[RunResult, RunResult]]], list[tuple[tuple, Judged]]]
+#: A pair's runs at each point, each point's tests in the order of the points, and its change with R.
+JudgedPair = tuple[str, str, dict[tuple, dict[int, tuple[RunResult, RunResult]]], list[tuple[tuple, Judged]],
+                   Trend | None]
 
 
 def _judged_pairs(runs: list[RunResult], pairs: list[tuple[str, str]], margin_pct: float) -> list[JudgedPair]:
@@ -244,16 +274,22 @@ def _judged_pairs(runs: list[RunResult], pairs: list[tuple[str, str]], margin_pc
     for a, b in pairs:
         points = _paired_points(finished, a, b)
         judged.append((a, b, points, [(key, _judge(list(by_seed.values()), a, b, margin_pct))
-                                      for key, by_seed in sorted(points.items())]))
+                                      for key, by_seed in sorted(points.items())], _trend(points, a, b)))
     return judged
 
 
 def compare_tests(runs: list[RunResult], pairs: list[tuple[str, str]],
                   margin_pct: float = DEFAULT_MARGIN_PCT) -> list[TestRow]:
-    """Every row of `compare_markdown`'s tables with its paired t-test's p, unrounded."""
-    return [TestRow(f"{a} − {b}", dash(key[0] or None), dash(key[1] or None), str(len(points[key])),
-                    _interval(*mean_ci(_differences(points[key].values()))), judged.p)
-            for a, b, points, rows in _judged_pairs(runs, pairs, margin_pct) for key, judged in rows]
+    """Every row of `compare_markdown`'s tables with its paired t-test's p, unrounded: each pair's
+    points, then its change with R."""
+    tests = []
+    for a, b, points, rows, trend in _judged_pairs(runs, pairs, margin_pct):
+        tests += [TestRow(f"{a} − {b}", dash(key[0] or None), dash(key[1] or None), str(len(points[key])),
+                          _interval(*mean_ci(_differences(points[key].values()))), judged.p) for key, judged in rows]
+        if trend is not None:
+            tests.append(TestRow(f"{a} − {b}", trend.workers, str(trend.inner_steps), str(len(trend.changes)),
+                                 trend.value, trend.p))
+    return tests
 
 
 def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]],
@@ -285,11 +321,12 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]],
              f"adjusted p is below {FDR:g}, which holds the expected share of false calls among this file's "
              f"calls to {FDR:g} (a dropped difference falls back to the equivalence test)."]
     judged_points = _judged_pairs(runs, pairs, margin_pct)
-    tested = [judged for *_, rows in judged_points for _, judged in rows if judged.p is not None]
+    tested = [judged for _, _, _, rows, _ in judged_points for _, judged in rows if judged.p is not None]
     adjusted = dict(zip(map(id, tested), benjamini_hochberg([judged.p for judged in tested])))
     sections: list[str] = []
     every_pair: list[list[str]] = []
-    for a, b, points, judged_rows in judged_points:
+    changes: list[list[str]] = []
+    for a, b, points, judged_rows, trend in judged_points:
         rows = []
         for (workers, inner, budget), judged in judged_rows:
             paired = list(points[workers, inner, budget].values())
@@ -306,10 +343,21 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]],
             continue
         sections.append(md_table(["R", "H", "seeds", f"{a} − {b} (final loss)", f"equivalence ({margin})", "call",
                                   "p (BH)", "call after BH", f"gap {a} (%)", f"gap {b} (%)", "gap ratio"], rows))
-        sections += _trend(points, a, b)
+        if trend is not None:
+            sections += ["", f"Change of the difference from R = {trend.low} to R = {trend.high} "
+                             f"({len(trend.changes)} seeds): {trend.value} ({trend.call})."]
+            changes.append([f"{a} − {b}", trend.workers, str(trend.inner_steps), str(len(trend.changes)), trend.value,
+                            "—" if trend.p is None else _p(trend.p), trend.call])
     if len(pairs) > 1 and every_pair:
-        parts += ["", "## Every pair", "",
+        parts += ["", f"## {SUMMARY_SECTIONS[0]}", "",
                   md_table(["A − B", "R", "H", "seeds", "A − B (final loss)", f"equivalence ({margin})", "call",
                             "p (BH)", "call after BH", "gap A (%)", "gap B (%)", "gap ratio"], every_pair)]
+    if changes:
+        sections += ["", f"## {SUMMARY_SECTIONS[1]}", "",
+                     "Each pair's difference at the largest R minus its difference at the smallest (at the smallest "
+                     "H, over the seeds both points ran, points with unstable runs left out), mean ± the half-width "
+                     "of its 95% t-interval, called when that interval excludes 0; p is the paired t-test's, not "
+                     "adjusted here (the Benjamini–Hochberg column above covers the points).", "",
+                     md_table(["A − B", "R", "H", "seeds", "change (final loss)", "p", "call"], changes)]
     return "\n".join(parts + sections) + "\n"
 
