@@ -111,6 +111,9 @@ class TrainConfig:
                                  "workspace, the math attention kernel), so reruns and resumes on the same GPU "
                                  "model and software give the same bits; slower. CPU runs are bit-exact without it")
     offload_workers: bool = option(False, "keep idle workers' parameters and optimizer state in CPU memory (GPU runs with many workers)")
+    compile: bool = option(False, "torch.compile the model (inductor): fused forward and backward kernels, without the "
+                           "per-operation overhead every worker's small batch pays at large R; other last bits than "
+                           "eager, and a compile of about a minute when the run starts (CPU: needs a C++ compiler)")
     eval_every: int = option(60, "evaluate the global model every this many steps (at the next synchronisation) and at "
                              "the end; 0 = only at the end")
     eval_batch: int = option(16, "sequences per evaluation forward pass")

@@ -157,6 +157,8 @@ class Trainer:
         self.batches = Batches(self.data.train, cfg.seq_len, cfg.global_batch, cfg.seed)
         self.val = validation_batches(self.data.val, cfg.seq_len, cfg.data.val_tokens, cfg.eval_batch)
         self.model = build_model(cfg.model, self.data.vocab_size, cfg.seq_len, cfg.seed).to(self.device)
+        if cfg.compile:
+            self.model.compile()  # in place: the parameters, their names and the algorithm's views stay the same
         self.num_params = count_parameters(self.model)
         self.named_params = list(self.model.named_parameters())
         self.params = [p for _, p in self.named_params]

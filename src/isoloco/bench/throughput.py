@@ -102,22 +102,26 @@ def tables(quick: bool, repeats: int, device: str) -> Iterator[Table]:
 
 @dataclass(frozen=True)
 class ScaleCase:
-    """One run of the many-workers table: a method at R, with AdamW's kernel and a micro-batch."""
+    """One run of the many-workers table: a method at R, with AdamW's kernel, a micro-batch, and
+    the model compiled or eager."""
     method: str
     workers: int
     kernel: str = "fused"
     micro_batch: int = 0
+    compile: bool = False
 
     @property
     def label(self) -> str:
         micro = f", micro-batch {self.micro_batch}" if self.micro_batch else ""
-        return f"{self.method}{micro}"
+        return f"{self.method}{micro}{', compiled' if self.compile else ''}"
 
 
 #: dp twice (its whole batch at once, as the grids run it, and in micro-batches of 16, its
-#: cheapest on a CPU), DiLoCo at R = 1, 16 and 128, and R = 128 on the foreach kernel of before.
+#: cheapest on a CPU), DiLoCo at R = 1, 16 and 128, R = 128 on the foreach kernel of before, and
+#: dp and R = 128 with the model compiled (`compile=true`).
 SCALE_CASES = [ScaleCase("dp", 1), ScaleCase("dp", 1, micro_batch=16), ScaleCase("diloco", 1),
-               ScaleCase("diloco", 16), ScaleCase("diloco", 128), ScaleCase("diloco", 128, kernel="foreach")]
+               ScaleCase("diloco", 16), ScaleCase("diloco", 128), ScaleCase("diloco", 128, kernel="foreach"),
+               ScaleCase("dp", 1, compile=True), ScaleCase("diloco", 128, compile=True)]
 
 
 def seconds_per_token(cases: list[ScaleCase], global_batch: int, seq_len: int, h: int, repeats: int, device: str,
@@ -125,8 +129,8 @@ def seconds_per_token(cases: list[ScaleCase], global_batch: int, seq_len: int, h
     """CPU seconds per token of each case on `tiny`: one round of H steps per repeat, every case
     in turns, timed on this process's CPU clock. `overrides` go to every run config."""
     trainers = {case: simulator("tiny", case.method, case.workers, global_batch, seq_len, h, steps=h * (repeats + 2),
-                                device=device, micro_batch=case.micro_batch, **{"inner.kernel": case.kernel},
-                                **overrides)
+                                device=device, micro_batch=case.micro_batch, compile=case.compile,
+                                **{"inner.kernel": case.kernel}, **overrides)
                 for case in cases}
     starts = {case: itertools.count(0, h) for case in cases}
 
@@ -211,26 +215,32 @@ def optimizer_step_seconds(repeats: int, device: str, kernel: str = "fused", ste
 def scale_table(global_batch: int, seq_len: int, h: int, repeats: int, device: str) -> Table:
     per_token = seconds_per_token(SCALE_CASES, global_batch, seq_len, h, repeats, device)
     whole, micro = per_token[SCALE_CASES[0]], per_token[SCALE_CASES[1]]
+    compiled = next(per_token[case] for case in SCALE_CASES if case.method == "dp" and case.compile)
     step = optimizer_step_seconds(repeats, device)
     tokens = global_batch * seq_len
     table = Table(f"Simulator cost at many workers: CPU seconds per token ÷ dp's, tiny, global batch "
                   f"{global_batch} × {seq_len}",
                   ["method", "R", "AdamW kernel", "CPU µs per token", "÷ dp (whole batch)",
-                   "÷ dp (micro-batch 16)", "aim (÷ dp, whole batch)", "floor (÷ dp, whole batch)"])
+                   "÷ dp (micro-batch 16)", "÷ dp compiled", "aim (÷ dp, whole batch, same compile)",
+                   "floor (÷ dp, whole batch)"])
     for case in SCALE_CASES:
+        # Like for like: a compiled run against compiled dp, an eager one against eager dp.
+        reference = compiled if case.compile else whole
         aim = SCALE_AIMS.get(case.workers) if case.method != "dp" and case.kernel == "fused" else None
-        verdict = "" if aim is None else f"≤ {aim}: {'yes' if per_token[case] / whole <= aim else '**no**'}"
+        verdict = "" if aim is None else f"≤ {aim}: {'yes' if per_token[case] / reference <= aim else '**no**'}"
         # R workers step their optimizers R times per global step, where dp steps once: even with
         # forward and backward as cheap as dp's, the other R − 1 steps stay.
-        floor = ratio(1 + (case.workers - 1) * step / (whole * tokens)) if aim is not None else ""
+        floor = ratio(1 + (case.workers - 1) * step / (reference * tokens)) if aim is not None else ""
         table.add(case.label, case.workers if case.method != "dp" else "–", case.kernel,
                   f"{per_token[case] * 1e6:.1f}", ratio(per_token[case] / whole), ratio(per_token[case] / micro),
-                  verdict, floor)
+                  ratio(per_token[case] / compiled), verdict, floor)
     table.notes.append(f"Device {device}; one round of H = {h} steps per case and repeat, median of {repeats} "
                        "interleaved repeats after one untimed round, on the process's CPU clock. dp (whole batch) "
                        "computes its 128 sequences at once; in micro-batches of 16 (as the R-to-128 preset runs it) "
-                       "it is cheaper on a CPU, and the column beside holds the simulator against that. The last "
-                       "row is R = 128 on AdamW's foreach kernel, which runs made before `inner.kernel` use. "
+                       "it is cheaper on a CPU, and the column beside holds the simulator against that. The "
+                       "foreach row runs AdamW's foreach kernel, as runs made before `inner.kernel` do; the compiled "
+                       "rows compile the model (`compile=true`; the compile falls in the untimed round), and their "
+                       "aim and floor are against compiled dp, like for like. "
                        f"Floor: 1 + (R − 1) × one worker's optimizer step (clipping and fused AdamW on tiny's "
                        f"parameters: {step * 1e3:.2f} ms of CPU, median of {repeats}) ÷ dp's CPU time per global "
                        "step, what R costs if its forward and backward passes cost what dp's do: each worker "
