@@ -115,6 +115,10 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
     # The R-to-128 grid (scripts/r128_grid.py): dp and both methods at each R, seeds 1-3.
     "r128-grid": [("r128/dp", "dp-s[123]", ""), ("r128/diloco-R*", "diloco-R*-s[123]", ""),
                   ("r128/isoloco-R*", "isoloco-R*-s[123]", "")],
+    # The same runs at the two R the outer steps were searched at, 16 and 128: how IsoLoCo − DiLoCo
+    # changes between the two points where both methods ran at their own choice.
+    "r128-searched": [("r128/dp", "dp-s[123]", ""), ("r128/diloco-R1[26]*", "diloco-R*-s[123]", ""),
+                      ("r128/isoloco-R1[26]*", "isoloco-R*-s[123]", "")],
     "tune-muon-r8": [("main", "dp-s0", ""), ("main", "isoloco-R8-H30-s0", ""), ("tune/muon-r8", "*-R8-H30-s0", ""),
                      *[(f"tune/isoloco_muon-lr{lr}", "isoloco_muon-*", f"lr{lr}-") for lr in ("0.4", "0.7", "1.2")],
                      *[(f"tune/muloco-lr{lr}", "muloco-*", f"lr{lr}-") for lr in ("0.4", "1.0", "1.4", "2.0")]],
@@ -144,7 +148,7 @@ NS_RMS = "isoloco_fast merge.ortho=newton_schulz merge.scale=rms"
 #: folder -> the settings its grid chose per R (`isoloco report --tuned`): the R-to-128 grid runs each
 #: method at the outer step searched at R = 16 or at R = 128 (results/claims/r128/selection.md), so a
 #: method's runs at every R are one series.
-TUNED = {"r128-grid": "outer.lr,outer.momentum"}
+TUNED = {"r128-grid": "outer.lr,outer.momentum", "r128-searched": "outer.lr,outer.momentum"}
 #: Gaps to data-parallel training the paper publishes, drawn beside a report's gap against R:
 #: its 178M model at R = 128, IsoLoCo +9.7% and DiLoCo +16.5% ("Can Model Merging Improve
 #: Aggregation in DiLoCo?", 2026).
@@ -281,6 +285,7 @@ REPORTS: dict[str, list[str]] = {
                   f"diloco_sgd:{TUNED_DILOCO}", "diloco_sgd:dp"],
     "claim4-tuned": ["isoloco:isoc outer.lr=2.1", "isoloco:isoc outer.lr=3.0"],
     "r128-grid": ["isoloco:diloco", "diloco:dp", "isoloco:dp"],
+    "r128-searched": ["isoloco:diloco"],
     "compressed-science": tuned_pairs(compressed_label, COMPRESSED_SETTINGS, head_to_head=False),
     "compress-science": tuned_pairs(compress_label, COMPRESS_SETTINGS),
     "lossless-science": tuned_pairs(compressed_label, tuple(kw for kw in COMPRESSED_SETTINGS if kw.get("feedback"))),
