@@ -122,6 +122,11 @@ class Trend:
     def value(self) -> str:
         return _interval(*mean_ci(self.changes))
 
+    @property
+    def cells(self) -> tuple[str, str, str, str]:
+        """R, H, seeds and the change, as the change-with-R table prints them (and as its tests are keyed)."""
+        return self.workers, str(self.inner_steps), str(len(self.changes)), self.value
+
 
 def _trend(points: dict[tuple, dict[int, tuple[RunResult, RunResult]]], a: str, b: str) -> Trend | None:
     """How A − B changes from the smallest R to the largest (at the smallest H), paired by seed, over
@@ -287,8 +292,7 @@ def compare_tests(runs: list[RunResult], pairs: list[tuple[str, str]],
         tests += [TestRow(f"{a} − {b}", dash(key[0] or None), dash(key[1] or None), str(len(points[key])),
                           _interval(*mean_ci(_differences(points[key].values()))), judged.p) for key, judged in rows]
         if trend is not None:
-            tests.append(TestRow(f"{a} − {b}", trend.workers, str(trend.inner_steps), str(len(trend.changes)),
-                                 trend.value, trend.p))
+            tests.append(TestRow(f"{a} − {b}", *trend.cells, trend.p))
     return tests
 
 
@@ -346,8 +350,7 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]],
         if trend is not None:
             sections += ["", f"Change of the difference from R = {trend.low} to R = {trend.high} "
                              f"({len(trend.changes)} seeds): {trend.value} ({trend.call})."]
-            changes.append([f"{a} − {b}", trend.workers, str(trend.inner_steps), str(len(trend.changes)), trend.value,
-                            "—" if trend.p is None else _p(trend.p), trend.call])
+            changes.append([f"{a} − {b}", *trend.cells, "—" if trend.p is None else _p(trend.p), trend.call])
     if len(pairs) > 1 and every_pair:
         parts += ["", f"## {SUMMARY_SECTIONS[0]}", "",
                   md_table(["A − B", "R", "H", "seeds", "A − B (final loss)", f"equivalence ({margin})", "call",
