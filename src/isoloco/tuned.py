@@ -196,7 +196,9 @@ def lanes(out: Path, default: int) -> int:
 def dry_run(out: Path, tasks: list[Task]) -> None:
     for t in tasks:
         state = "done" if t.done() else "ready" if t.ready() else "waits for its search"
-        print(f"{state:21} {t.out.relative_to(out)}  {t.overrides}")
+        # a task may read runs another grid trained (a search's shared point): name those in full
+        where = t.out.relative_to(out) if t.out.is_relative_to(out) else t.out
+        print(f"{state:21} {where}  {t.overrides}")
 
 
 def drive(out: Path, tasks: list[Task], searches: list[Search], default_lanes: int,

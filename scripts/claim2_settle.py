@@ -1,0 +1,127 @@
+"""Claim 2 past R = 16, settled: the runs behind the pre-registered test on docs/claims/claims-1-3.md
+("Claim 2 past R = 16: the test, written before its runs").
+
+    OMP_NUM_THREADS=1 python scripts/claim2_settle.py [--out DIR] [--lanes N] [--dry-run]
+
+On the repro-cpu-r128 preset, in the order they start:
+1. The inner lr at this batch: seed 0 of DiLoCo and IsoLoCo at R = 128, each at its searched outer
+   step, over inner lr 0.008, 0.016 and 0.032 and the ladder past an edge. Their 0.016 points are
+   the R-to-128 grid's own seed-0 runs (results/claims/r128/select), the same config, so they are
+   read from there, not trained again. dp's search is the grid's (0.008, 0.016, 0.032); it gains
+   the ladder's next points outward while a method's search holds more points than it.
+2. The step swap: DiLoCo at R = 32 with R = 128's step (mu 0.6, lr 0.7) and at R = 64 with R = 16's
+   (mu 0.6, lr 1.0), seeds 1-3, 480 steps, so the grid's R = 32 -> 64 change is also seen with
+   DiLoCo's step held fixed.
+3. Twice the rounds: DiLoCo and IsoLoCo at R = 16 and R = 128 at their searched outer steps,
+   steps=960 (32 synchronisations at H = 30, the schedule over 960), seeds 1-5.
+Items 2 and 3 run at each method's inner lr chosen in item 1 (`needs`). Should a method choose an
+inner lr other than 0.016, its item-2 cells leave the grid's inner lr, and the pre-registration
+names the extra cells that keep that contrast like for like; they are not laid out here until then.
+
+Layout under DIR: `select/<search>-<lr>/` (seed 0), `swap/diloco-R<R>-<step>/` (seeds 1-3),
+`long/<method>-R<R>/` (seeds 1-5) and `selection.md`. Finished runs are skipped, so rerunning
+continues; the file `DIR/lanes`, if present, holds how many runs go at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from isoloco.tuned import Search, Task, drive, dry_run, extend, selection_rows, step_name, step_overrides
+
+PRESET = "repro-cpu-r128"
+GRID = Path(__file__).resolve().parents[1] / "results/claims/r128"
+#: each method's outer step chosen on seed 0 (results/claims/r128/selection.md), (lr, momentum)
+SEARCHED_STEP = {("diloco", 16): (1.0, 0.6), ("diloco", 128): (0.7, 0.6),
+                 ("isoloco", 16): (1.5, 0.6), ("isoloco", 128): (1.5, 0.6)}
+INNER_LRS = (0.008, 0.016, 0.032)
+INNER_LADDER = (0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128)
+#: the grid's own inner lr, whose seed-0 runs exist already
+GRID_INNER_LR = 0.016
+LONG_STEPS = 960
+LONG_SEEDS = "1,2,3,4,5"
+SWAP_SEEDS = "1,2,3"
+#: DiLoCo's step swapped between R = 32 and R = 64: each R at the other's step
+SWAP = ((32, (0.7, 0.6)), (64, (1.0, 0.6)))
+
+
+def inner_label(lr: float, _: float) -> str:
+    return f"lr{lr}"
+
+
+def inner_search(select: Path, method: str) -> Search:
+    """Seed 0 of `method` at R = 128 over the inner lr, its outer step fixed at R = 128's choice."""
+    outer = step_overrides(*SEARCHED_STEP[method, 128])
+    search = Search(select, "inner", method, 128, outer, PRESET, render=lambda lr, _: f"inner.lr={lr}",
+                    label=inner_label, ladder=INNER_LADDER)
+    for lr in INNER_LRS:
+        task = search.add((lr, 0.0))
+        if lr == GRID_INNER_LR:
+            # the grid trained this very config on seed 0: read it where it lies
+            task.out = GRID / "select" / f"{method}-R128-{step_name(*SEARCHED_STEP[method, 128])}"
+    return search
+
+
+def dp_search(select: Path, methods: list[Search]) -> Search:
+    """dp's inner-lr search is the grid's; while a method's search holds more points, the ladder's
+    next lr outward (below, then above, alternately) joins it."""
+    search = Search(GRID / "select", "inner", "dp", 1, "", PRESET, render=lambda lr, _: f"inner.lr={lr}",
+                    label=inner_label, ladder=INNER_LADDER)
+    for lr in INNER_LRS:
+        search.add((lr, 0.0))
+    wanted = max(len(m.grid) for m in methods)
+    below = [lr for lr in INNER_LADDER if lr < min(INNER_LRS)][::-1]
+    above = [lr for lr in INNER_LADDER if lr > max(INNER_LRS)]
+    extra = [lr for pair in zip(below, above) for lr in pair]
+    for lr in extra[:max(0, wanted - len(search.grid))]:
+        task = search.add((lr, 0.0))
+        task.out = select / task.out.name
+    return search
+
+
+def plan(out: Path) -> tuple[list[Task], list[Search]]:
+    select = out / "select"
+    inner = {method: inner_search(select, method) for method in ("diloco", "isoloco")}
+    extend([], list(inner.values()))
+    dp = dp_search(select, list(inner.values()))
+    tasks = [task for search in (*inner.values(), dp) for task in search.grid]
+    for workers, step in SWAP:
+        tasks.append(Task(out / "swap" / f"diloco-R{workers}-{step_name(*step)}", "diloco", workers, SWAP_SEEDS,
+                          step_overrides(*step), PRESET, needs=(inner["diloco"],)))
+    for workers in (16, 128):
+        for method in ("diloco", "isoloco"):
+            tasks.append(Task(out / "long" / f"{method}-R{workers}", method, workers, LONG_SEEDS,
+                              f"{step_overrides(*SEARCHED_STEP[method, workers])} steps={LONG_STEPS}", PRESET,
+                              needs=(inner[method],)))
+    return tasks, [*inner.values(), dp]
+
+
+def write_selection(out: Path, searches: list[Search]) -> None:
+    lines = ["# The inner lr chosen on seed 0 at a batch of 128", "",
+             "`python scripts/claim2_settle.py` writes this file: seed 0's final validation loss at every inner lr "
+             "tried, in the order tried, the chosen one in bold. DiLoCo and IsoLoCo at R = 128 at their searched "
+             "outer steps; dp's search is the R-to-128 grid's, with as many points as the larger method search.", "",
+             "| method | R | inner lr: final loss (seed 0) | chosen |", "|---|---|---|---|"]
+    lines += selection_rows(searches, lambda search: f"{search.method} | {search.workers}")
+    (out / "selection.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("results/claims/claim2-settle"))
+    ap.add_argument("--lanes", type=int, default=2, help="runs at once (overridden by the file OUT/lanes)")
+    ap.add_argument("--dry-run", action="store_true", help="print what would run next and stop")
+    args = ap.parse_args()
+    out = args.out.resolve()
+    tasks, searches = plan(out)
+    extend(tasks, searches)
+    if args.dry_run:
+        dry_run(out, tasks)
+        return 0
+    return drive(out, tasks, searches, args.lanes, lambda: write_selection(out, searches))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
