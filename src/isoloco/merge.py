@@ -128,8 +128,10 @@ class MergeConfig:
             "link whole under merge.quantize (e.g. ['*embed_tokens*', 'lm_head.weight'], so that the embeddings and "
             "the head travel dense while the blocks' matrices go low-rank or top-k); empty = compress every matrix")
     error_feedback: bool = option(
-        False, "with merge.quantize or merge.compress: each island keeps what compression lost and adds it to its "
-               "next sum (in the simulator every worker is an island; checkpointed with the island's first worker)")
+        False, "with merge.quantize or merge.compress: each island keeps what its sum lost on the way (its own "
+               "encode, what low rank's projection or top-k left out, and the re-encode of the chunks of the total "
+               "it owns) and adds it to its next sum; the islands are a job's processes, or the dist.islands the "
+               "simulator plays (0: every worker an island); kept and checkpointed with each island's first worker")
     bucket_mb: float = option(
         64.0, "parameters are merged in buckets of about this many MiB: one collective per bucket and phase, "
               "one finiteness check per bucket")
