@@ -72,3 +72,35 @@ def test_a_committed_config_yaml_given_as_a_file_trains_with_its_kernel_and_a_pa
     partial = tmp_path / "mine.yaml"
     partial.write_text("inner:\n  lr: 0.01\n  beta2: 0.99\n")  # names some keys only: a new file
     assert resolve(str(partial), {}).inner.kernel == "fused"
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_a_restored_state_lies_where_torchs_loader_puts_it(optimizer, kernel):
+    """A resume puts `step` where torch's own `load_state_dict` does: on the parameter's device for
+    the fused kernel, which refuses it elsewhere (a GPU run would fail at its first inner step).
+    Played with the parameters on the meta device; the moments go to the worker's storage, its
+    parameters' device here, as torch's would."""
+    from isoloco.checkpoint import flatten_optimizer_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    trained = InnerOptimizer(list(model.named_parameters()), InnerConfig(optimizer=optimizer, kernel=kernel), 10)
+    model(torch.randn(3, 4)).square().sum().backward()
+    trained.step(0)
+    saved, scalars = {}, {}
+    for j, state in enumerate(trained.state_dicts()):
+        tensors, plain = flatten_optimizer_state(state, f"w0.opt{j}")
+        saved.update(tensors)
+        scalars.update(plain)
+    model.to("meta")
+    ours = InnerOptimizer(list(model.named_parameters()), InnerConfig(optimizer=optimizer, kernel=kernel), 10)
+    ours.load_state(saved, scalars, "w0", torch.device("meta"))
+    torchs = InnerOptimizer(list(model.named_parameters()), InnerConfig(optimizer=optimizer, kernel=kernel), 10)
+    torchs.load_state_dicts(trained.state_dicts())
+    placed = [(key, value.device, value.dtype) for opt in ours.optimizers for param in opt.state
+              for key, value in sorted(opt.state[param].items())]
+    expected = [(key, value.device, value.dtype) for opt in torchs.optimizers for param in opt.state
+                for key, value in sorted(opt.state[param].items())]
+    assert placed == expected
+    steps = {device.type for key, device, _ in placed if key == "step"}
+    assert steps == ({"meta"} if kernel == "fused" else {"cpu"})

@@ -133,7 +133,8 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 
 def _movable(value: Any, device: torch.device) -> bool:
     """Whether `move_state` moves this state value: tensors with data (AdamW's 0-d `step` stays
-    on the CPU, where torch keeps it) that are not on `device` already."""
+    where torch keeps it: the CPU, or its parameter's device with a fused kernel) that are not on
+    `device` already."""
     return isinstance(value, torch.Tensor) and value.ndim > 0 and value.device != device
 
 
@@ -202,12 +203,18 @@ class InnerOptimizer:
 
         This is what torch's `load_state_dict` does for a fresh optimizer, except where the
         moments go: torch would put them on their parameters' device, a round trip through the
-        GPU for an offloaded worker. A 0-d `step` stays on the CPU, as torch keeps it.
+        GPU for an offloaded worker. `step` goes where torch puts it: a fused or capturable
+        kernel keeps it on its parameter's device as float32 (and refuses it elsewhere), the
+        others on the CPU.
         """
         for j, opt in enumerate(self.optimizers):
             opt.state.clear()
+            step_with_param = {id(p) for group in opt.param_groups if group.get("fused") or group.get("capturable")
+                               for p in group["params"]}
             for param, key, value in saved_optimizer_state(opt, saved, scalars, f"{prefix}.opt{j}"):
-                if isinstance(value, torch.Tensor) and value.ndim > 0:
+                if key == "step" and id(param) in step_with_param and isinstance(value, torch.Tensor):
+                    value = value.to(device=param.device, dtype=torch.float32)
+                elif isinstance(value, torch.Tensor) and value.ndim > 0:
                     if device.type == "cpu" and param.is_cuda:  # offloaded from a GPU: its pinned buffer
                         value = self._host_buffer(param, key, value).copy_(value)
                     else:
