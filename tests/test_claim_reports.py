@@ -199,6 +199,25 @@ def test_a_quoted_change_with_r_is_a_test_of_the_page_adjusted_with_the_points(d
     assert f"| {_plain_bh(exact)[-1]:.4f} | isoloco gains on diloco as R grows |" in text
 
 
+
+def test_compare_md_adjusts_its_points_alone_and_says_so(doc):
+    """compare.md's Benjamini–Hochberg column covers the points' tests, not the change with R (whose
+    p it prints raw), and its text says which: R = 2's p is adjusted over the four points (× 4/2),
+    though the file holds a fifth test. A page that quotes the change adjusts it with the points."""
+    from test_report import _paired_grid, _row
+
+    from isoloco.report import compare_markdown, load_runs
+
+    _paired_grid(Path("grid"), PAGE_DIFFERENCES)
+    text = compare_markdown(load_runs(Path("grid")), [("isoloco", "diloco")])
+    changes = [high - low for high, low in zip(PAGE_DIFFERENCES[16], PAGE_DIFFERENCES[2])]
+    assert f"| {_two_dof_p(changes):.3f} |" in text.split("## Change with R")[1]  # a fifth test, raw
+    points = [_two_dof_p(PAGE_DIFFERENCES[r]) for r in (2, 4, 8, 16)]
+    assert _row(text, 2)[6] == f"{points[0]:.3f} ({_plain_bh(points)[0]:.3f})"
+    assert "every test in this file" not in text
+    assert ("adjustment over the tests of every point in this file (not the changes with R, whose p is left raw)"
+            in text)
+
 def test_a_folder_of_pages_counts_its_tests_as_one_page(doc):
     """The pair's rows quoted on two pages of a folder count once, as on one page: the same four tests,
     adjusted together, whichever page quotes them."""

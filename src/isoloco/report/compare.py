@@ -1,6 +1,6 @@
 """Paired comparisons: compare.md (A − B paired by seed at every point both reached: its 95%
 interval, the equivalence test, the call, the paired t-test's p and its Benjamini–Hochberg
-adjustment over the file) and contrast.md ((A − B) − (C − D), the difference of two such
+adjustment over the file's points) and contrast.md ((A − B) − (C − D), the difference of two such
 differences); `compare_tests` and `contrast_tests` give their rows' unrounded p-values, for an
 adjustment over several reports."""
 
@@ -305,7 +305,8 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]],
     smallest R to the largest. A and B are run labels: a method, or a method and its variant
     ("isoc outer.lr=3.0"). Several pairs also get one table of every pair's rows first, to read
     (and quote) side by side. Beside each call: the paired t-test's p-value, its Benjamini–Hochberg
-    adjustment over every test of the report, and the call that survives the adjustment."""
+    adjustment over every point's test of the report (a change with R keeps its raw p), and the
+    call that survives the adjustment."""
     margin = f"±{margin_pct:g}%"
     parts = ["# Paired comparisons", "",
              "Difference of final validation loss A − B over the seeds both ran (same seed: same initialisation "
@@ -321,21 +322,24 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]],
              "are means over the same seeds.",
              "",
              "p (BH): the two-sided p-value of the paired t-test, and in brackets its Benjamini–Hochberg "
-             f"adjustment over every test in this file; \"call after BH\" keeps a difference only where the "
-             f"adjusted p is below {FDR:g}, which holds the expected share of false calls among this file's "
-             f"calls to {FDR:g} (a dropped difference falls back to the equivalence test)."]
+             "adjustment over the tests of every point in this file (not the changes with R, whose p is left "
+             f"raw); \"call after BH\" keeps a difference only where the adjusted p is below {FDR:g}, which holds "
+             f"the expected share of false calls among the points' calls to {FDR:g} (a dropped difference falls "
+             "back to the equivalence test)."]
     judged_points = _judged_pairs(runs, pairs, margin_pct)
     tested = [judged for _, _, _, rows, _ in judged_points for _, judged in rows if judged.p is not None]
     adjusted = dict(zip(map(id, tested), benjamini_hochberg([judged.p for judged in tested])))
     sections: list[str] = []
     every_pair: list[list[str]] = []
     changes: list[list[str]] = []
+    negative_gap = False
     for a, b, points, judged_rows, trend in judged_points:
         rows = []
         for (workers, inner, budget), judged in judged_rows:
             paired = list(points[workers, inner, budget].values())
             gaps = [mean_std([r.gap_pct for r in side if r.gap_pct is not None])[0] for side in zip(*paired)]
-            ratio = gaps[0] / gaps[1] if None not in gaps and gaps[1] else None
+            negative_gap |= None not in gaps and min(gaps) < 0
+            ratio = gaps[0] / gaps[1] if None not in gaps and min(gaps) >= 0 and gaps[1] > 0 else None
             rows.append([dash(workers or None), dash(inner or None), str(len(paired)),
                          _interval(*mean_ci(_differences(paired))), judged.equivalence, judged.call,
                          *_after_bh(judged, adjusted.get(id(judged))),
@@ -351,6 +355,10 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]],
             sections += ["", f"Change of the difference from R = {trend.low} to R = {trend.high} "
                              f"({len(trend.changes)} seeds): {trend.value} ({trend.call})."]
             changes.append([f"{a} − {b}", *trend.cells, "—" if trend.p is None else _p(trend.p), trend.call])
+    if negative_gap:
+        parts += ["", "Gap ratio: A's mean gap to DP over B's, the share of B's gap A keeps. It is \"—\" where a "
+                      "gap is negative (a method below dp): the ratio of a negative gap is no such share (its sign "
+                      "and size do not say which method is nearer dp), so none is given."]
     if len(pairs) > 1 and every_pair:
         parts += ["", f"## {SUMMARY_SECTIONS[0]}", "",
                   md_table(["A − B", "R", "H", "seeds", "A − B (final loss)", f"equivalence ({margin})", "call",
