@@ -106,7 +106,7 @@ def test_a_directory_without_runs_exits_2(tmp_path, capsys):
     assert err.startswith("error: ") and "holds no run directories" in err and len(err.splitlines()) == 1
 
 
-def test_plots_have_titles_and_each_token_budget_its_own_colour(tmp_path):
+def test_plots_have_titles_and_each_token_budget_its_own_style_in_its_methods_colour(tmp_path):
     from isoloco.report.plots import _against, _curves
 
     for steps in (6, 12):
@@ -119,9 +119,10 @@ def test_plots_have_titles_and_each_token_budget_its_own_colour(tmp_path):
         ax = _against(runs, "workers", gap).axes[0]
         assert ax.get_title() in ("Final validation loss against workers R", "Gap to DP against workers R")
         budgets = ax.containers  # one errorbar per series: isoloco at each budget
-        assert len(budgets) == 2 and len({c.lines[0].get_color() for c in budgets}) == 2
-    curves = [line for ax in _curves(runs).axes for line in ax.get_lines() if line.get_linestyle() == "-"]
-    assert len({line.get_color() for line in curves}) == 2
+        assert len(budgets) == 2 and len({c.lines[0].get_color() for c in budgets}) == 1
+        assert len({(c.lines[0].get_marker(), c.lines[0].get_linestyle()) for c in budgets}) == 2
+    curves = [line for ax in _curves(runs).axes for line in ax.get_lines() if line.get_color() != "black"]
+    assert len({line.get_color() for line in curves}) == 1 and len({line.get_linestyle() for line in curves}) == 2
 
 
 def test_runs_that_differ_in_more_than_the_seed_are_separate_points(tmp_path):
@@ -647,10 +648,11 @@ def test_plots_name_series_by_what_differs_and_keep_coinciding_points_apart(tmp_
     fig = _against(runs, "workers", False)
     ax = fig.axes[0]
     names = [text.get_text() for text in fig.legends[0].get_texts()]
-    # The series in the order of their settings, each differing key by its last part with its value.
-    assert names == [f"isoloco error_feedback={ef} quantize={q} overlap_steps={ov}" for ef, ov, q in (
+    # The series in the order of their settings, each differing key by its last part with its value;
+    # then the key to their hollow points (one seed each).
+    assert names == [*(f"isoloco error_feedback={ef} quantize={q} overlap_steps={ov}" for ef, ov, q in (
         ("false", 0, "int4"), ("false", 0, "int8"), ("false", 0, "none"), ("false", 2, "none"), ("true", 0, "int4"),
-        ("true", 0, "int8"))]
+        ("true", 0, "int8"))), "hollow: one seed (no spread)"]
     at_r2 = [container.lines[0].get_xdata()[0] for container in ax.containers]
     assert len(set(at_r2)) == 6 and all(1.8 < x < 2.2 for x in at_r2)
     with warnings.catch_warnings():
@@ -805,3 +807,117 @@ def test_a_legend_leaves_out_a_setting_a_series_holds_no_value_of():
 
     names = _legend_names({"a": series([]), "b": series(["lm_head.weight"])}, [])
     assert names == {"a": "isoloco", "b": "isoloco compress_exclude=lm_head.weight"}
+
+
+def test_a_ratio_of_a_negative_gap_is_not_printed_and_the_table_says_why(tmp_path):
+    """dp at 4.0: at R = 1 IsoLoCo ends below it (a negative gap), at R = 2 both methods above it. The
+    ratio of R = 1's gaps (−2.5% over +2.5%, −1.00) is "—" with a note; R = 2's is printed."""
+    _paired_grid(tmp_path, {1: (-0.2, -0.2, -0.2), 2: (0.1, 0.1, 0.1)}, b_loss=4.1)
+    text = compare_markdown(load_runs(tmp_path), [("isoloco", "diloco")])
+    assert _row(text, 1)[-3:] == ["-2.50", "+2.50", "—"]
+    assert _row(text, 2)[-3:] == ["+5.00", "+2.50", "2.00"]
+    assert "the ratio of a negative gap is no such share" in text
+    positive = tmp_path / "positive"
+    _paired_grid(positive, {2: (0.1, 0.1, 0.1)}, b_loss=4.1)
+    assert "negative gap" not in compare_markdown(load_runs(positive), [("isoloco", "diloco")])
+
+
+def _captured_figures(monkeypatch) -> dict[str, object]:
+    """The figures `isoloco report` draws, by file name, instead of PNG files."""
+    from isoloco.report import plots
+
+    figures = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.__setitem__(path.name, fig))
+    return figures
+
+
+def _legend_colors(fig) -> dict[str, str]:
+    """Legend name -> the colour of its entry, in one figure."""
+    from matplotlib.colors import to_hex
+
+    (legend,) = fig.legends
+    return {text.get_text(): to_hex(handle.get_color()) for text, handle in zip(legend.get_texts(),
+                                                                               legend.legend_handles)
+            if hasattr(handle, "get_color")}
+
+
+def test_a_method_has_one_colour_in_every_plot_of_a_report(tmp_path, monkeypatch):
+    """diloco, isoc and isoloco against R, but only diloco and isoloco against H (isoc ran one H):
+    isoloco is the third series in one plot and the second in the other, and keeps its colour."""
+    figures = _captured_figures(monkeypatch)
+    for seed in (0, 1):
+        _fake_run(tmp_path, f"dp-s{seed}", 4.0, method="dp", workers=1, seed=seed)
+        for method, base in (("diloco", 4.3), ("isoc", 4.2), ("isoloco", 4.1)):
+            for r, h in ((1, 3), (2, 3)) + (((2, 6),) if method != "isoc" else ()):
+                _fake_run(tmp_path, f"{method}-R{r}-H{h}-s{seed}", base + r / 10 + h / 100 + seed / 100,
+                          method=method, workers=r, inner_steps=h, seed=seed)
+    assert main(["report", str(tmp_path)]) == 0
+    assert {"gap_vs_R.png", "gap_vs_H.png", "val_curves.png"} <= set(figures)
+    colors: dict[str, set[str]] = {}
+    for fig in figures.values():
+        for name, color in _legend_colors(fig).items():
+            if name.split()[0] in ("diloco", "isoc", "isoloco"):
+                colors.setdefault(name.split()[0], set()).add(color)
+    assert all(len(found) == 1 for found in colors.values()), colors
+    assert len({found.pop() for found in colors.values()}) == 3
+
+
+def test_dps_spread_is_drawn_as_a_band_around_its_line_in_every_loss_plot(tmp_path, monkeypatch):
+    """dp at 4.0 and 5.0 (mean 4.5, std 0.707): a band from mean − std to mean + std in each plot
+    that draws dp's loss as a line (against R, a knob, the bytes), none in the gap plot (dp is 0)."""
+    figures = _captured_figures(monkeypatch)
+    for seed in (0, 1):
+        _fake_run(tmp_path, f"dp-s{seed}", 4.0 + seed, method="dp", workers=1, seed=seed)
+        for lr, wire in ((0.5, 1e6), (1.0, 2e6)):
+            for r in (1, 2):
+                _fake_run(tmp_path, f"isoloco-lr{lr}-R{r}-s{seed}", 4.6 + seed, method="isoloco", workers=r,
+                          inner_steps=3, seed=seed, summary={"slow_link_bytes_per_round": wire},
+                          **{"outer.lr": lr})
+    assert main(["report", str(tmp_path)]) == 0
+    std = 2 ** -0.5
+    for name in ("val_loss_vs_R.png", "val_loss_vs_outer.lr.png", "val_loss_vs_bytes.png"):
+        (ax,) = figures[name].axes
+        (band,) = ax.patches
+        assert (band.get_y(), band.get_height()) == (pytest.approx(4.5 - std), pytest.approx(2 * std)), name
+        assert band.get_label() in [text.get_text() for text in figures[name].legends[0].get_texts()]
+        assert band.get_label() == "dp: ± std over 2 seeds"
+    assert not figures["gap_vs_R.png"].axes[0].patches
+
+
+def test_each_point_shows_its_seed_count_and_a_point_of_one_seed_is_hollow_without_a_bar(tmp_path):
+    """IsoLoCo over two seeds at R = 1 and 2, one seed at R = 4: every point is labelled with its
+    seed count; R = 4's is hollow and has no error bar (a bar of zero height would read as no spread)."""
+    from isoloco.report.plots import ONE_SEED, _against
+
+    for seed in (0, 1):
+        _fake_run(tmp_path, f"dp-s{seed}", 4.0, method="dp", workers=1, seed=seed)
+        for r in (1, 2, 4)[:3 - seed]:
+            _fake_run(tmp_path, f"isoloco-R{r}-s{seed}", 4.0 + r / 10 + seed / 10, method="isoloco", workers=r,
+                      inner_steps=3, seed=seed)
+    for gap in (False, True):
+        fig = _against(load_runs(tmp_path), "workers", gap)
+        (ax,) = fig.axes
+        assert [(text.get_text(), text.xy[0]) for text in ax.texts] == [("n=2", 1), ("n=2", 2), ("n=1", 4)]
+        (series,) = ax.containers
+        (bars,) = series.lines[2]
+        assert [len(segment) for segment in bars.get_segments()] == [2, 2, 0]  # no bar at R = 4
+        hollow = [line for line in ax.lines if line.get_markerfacecolor() == "white" and len(line.get_xdata())]
+        assert [list(line.get_xdata()) for line in hollow] == [[4]]
+        assert [text.get_text() for text in fig.legends[0].get_texts()][-1] == ONE_SEED
+
+
+def test_each_seed_has_its_own_marker_in_the_curves(tmp_path):
+    """Two seeds of dp and IsoLoCo: each seed's curves share a marker, the seeds differ, and the
+    legend names each seed by its marker."""
+    from isoloco.report.plots import _curves
+
+    for seed in (0, 1):
+        _fake_run(tmp_path, f"dp-s{seed}", 4.0 + seed, method="dp", workers=1, seed=seed)
+        _fake_run(tmp_path, f"isoloco-R2-s{seed}", 4.5 + seed, method="isoloco", workers=2, inner_steps=3, seed=seed)
+    fig = _curves(load_runs(tmp_path))
+    (ax,) = [ax for ax in fig.axes if ax.get_visible()]
+    markers = {line.get_ydata()[-1]: line.get_marker() for line in ax.lines}
+    assert markers[4.0] == markers[4.5] != markers[5.0] == markers[5.5]
+    (legend,) = fig.legends
+    entries = {text.get_text(): handle for text, handle in zip(legend.get_texts(), legend.legend_handles)}
+    assert entries["seed 0"].get_marker() == markers[4.0] and entries["seed 1"].get_marker() == markers[5.0]

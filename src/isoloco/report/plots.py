@@ -2,18 +2,22 @@
 several H; validation loss against each numeric knob a method was run at several values of (a
 search or a grid: `outer.lr`, `merge.density`, ...), with the other methods at the same R and H as
 lines to compare with; the validation-loss curves of every run, one panel per R; loss against the
-slow link's bytes; and the workers merged per round where some were late. Each PNG is drawn from a
-style reset to matplotlib's defaults and saved without the Software metadata (the one field that
-varies), so a report of the same runs is the same bytes."""
+slow link's bytes; and the workers merged per round where some were late. A method has one colour
+in every plot of a report; a point is the mean ± std over seeds with its seed count beside it (hollow
+for one seed), dp's loss a line with its own spread as a band, and a curve's marker names its seed.
+Each PNG is drawn from a style reset to matplotlib's defaults and saved without the Software metadata
+(the one field that varies), so a report of the same runs is the same bytes."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 from isoloco.config import acts
-from isoloco.report.runs import DEFAULT_SETTINGS, RunResult, applies, group_runs, show_setting, sort_key
+from isoloco.report.runs import (DEFAULT_SETTINGS, RunResult, applies, dp_variants, group_runs, show_setting,
+                                 sort_key)
 from isoloco.report.stats import DEFAULT_MARGIN_PCT, mean_std
 
 #: Axes a plot can put on x: run attribute -> (short label, axis title).
@@ -27,9 +31,95 @@ def _save(fig: Any, path: Path) -> None:
     fig.savefig(path, dpi=110, metadata={"Software": None})
 
 
-def _colors(labels: Iterable[str]) -> dict[str, str]:
-    """A colour per series (a method at one token budget, H, ...), in the order of `labels`."""
-    return {label: f"C{i % 10}" for i, label in enumerate(dict.fromkeys(labels))}
+def _method_colors(runs: list[RunResult]) -> dict[str, str]:
+    """Method -> its colour, from every run of the report, so that a method keeps its colour in
+    every plot whichever of the methods a plot shows (dp is black)."""
+    return {method: f"C{i % 10}" for i, method in enumerate(dict.fromkeys(r.method for r in runs if not r.is_dp))}
+
+
+#: What tells apart the series of one colour in a plot (a method's variants, budgets, H, ...): the
+#: k-th takes the k-th marker and line style. No "^": the curves mark a cut evaluation with it.
+MARKERS = ("o", "s", "D", "v", "P", "X", "p")
+LINESTYLES = ("-", "--", ":", "-.")
+#: The same for flat reference lines, all dotted, apart from the searched series' solid lines and dp's dashes.
+REFERENCE_LINESTYLES = (":", (0, (3, 1, 1, 1)), (0, (1, 3)), (0, (5, 2, 1, 2)))
+
+
+class Style(NamedTuple):
+    color: str
+    index: int  # among the plot's series of its colour
+
+    @property
+    def marker(self) -> str:
+        return MARKERS[self.index % len(MARKERS)]
+
+    @property
+    def linestyle(self) -> str:
+        return LINESTYLES[self.index % len(LINESTYLES)]
+
+    @property
+    def reference(self) -> Any:
+        return REFERENCE_LINESTYLES[self.index % len(REFERENCE_LINESTYLES)]
+
+
+def _styles(series: dict[str, RunResult], runs: list[RunResult]) -> dict[str, Style]:
+    """Series label -> its style: its method's colour (`_method_colors`) and its rank among the
+    series of that colour in `series` (each label's first run)."""
+    colors = _method_colors(runs)
+    seen: dict[str, int] = {}
+    styles = {}
+    for label, run in series.items():
+        color = colors[run.method]
+        styles[label] = Style(color, seen.get(color, 0))
+        seen[color] = styles[label].index + 1
+    return styles
+
+
+def _mean_points(ax: Any, xs: list[float], samples: list[list[float]], style: Style, label: str,
+                 linestyle: Any) -> None:
+    """A series' points: the mean ± sample std over seeds at each x, with its seed count beside it
+    ("n=3"). A point of one seed has no spread to show: it is hollow and has no bar, rather than a
+    bar of zero height that reads as no spread."""
+    stats = [mean_std(values) for values in samples]
+    means = [mean for mean, _ in stats]
+    single = [len(values) == 1 for values in samples]
+    ax.errorbar(xs, means, yerr=[math.nan if std is None else std for _, std in stats], marker=style.marker,
+                markerfacecolor="white" if all(single) else style.color, capsize=3, color=style.color,
+                linestyle=linestyle, label=label)
+    if any(single) and not all(single):
+        ax.plot([x for x, one in zip(xs, single) if one], [m for m, one in zip(means, single) if one],
+                linestyle="none", marker=style.marker, markerfacecolor="white", color=style.color)
+    ax.set_xmargin(0.08)  # room for the seed count of the rightmost point
+    for x, mean, values in zip(xs, means, samples):  # below right: clear of the bar and of a rising line
+        ax.annotate(f"n={len(values)}", (x, mean), xytext=(5, -4), textcoords="offset points", va="top",
+                    fontsize="x-small", color=style.color)
+
+
+#: The legend entry of a hollow point, and the axis label that says what a point and its "n=" are.
+ONE_SEED = "hollow: one seed (no spread)"
+MEAN_STD = "mean ± std over n seeds"
+
+
+def _one_seed_entry(ax: Any, samples: Iterable[list[float]]) -> None:
+    """A legend entry for the hollow points, where the plot has some."""
+    if any(len(values) == 1 for values in samples):
+        ax.plot([], [], linestyle="none", marker="o", markerfacecolor="white", color="grey", label=ONE_SEED)
+
+
+def _dp_reference(ax: Any, runs: list[RunResult]) -> None:
+    """dp's final loss at each budget: its mean over seeds as a dashed line, and mean ± std as a
+    band, dp's own spread, which a method's distance from the line is read against. dp is the
+    variant the gaps are to (`dp_variants`)."""
+    strongest = {budget: variants[0] for budget, variants in dp_variants(runs).items()}
+    for budget, variant in sorted(strongest.items()):
+        losses = [r.final_val_loss for r in runs if r.is_dp and r.budget == budget and r.variant == variant
+                  and r.final_val_loss is not None]
+        mean, std = mean_std(losses)
+        name = "dp" if len(strongest) == 1 else f"dp ({budget[1]:,} tokens)"
+        ax.axhline(mean, color="black", linestyle="--", linewidth=1, label=name)
+        if std is not None:
+            ax.axhspan(mean - std, mean + std, color="black", alpha=0.1, linewidth=0,
+                       label=f"{name}: ± std over {len(losses)} seeds")
 
 
 def _log2_axis(ax: Any, values: list[int], title: str) -> None:
@@ -104,6 +194,9 @@ def _legend_below(fig: Any, handles: list[Any] | None = None, labels: list[str] 
 
     if handles is None:
         handles, labels = fig.axes[0].get_legend_handles_labels()
+        # The key to the hollow points after the series, whatever order the artists were added in.
+        entries = sorted(zip(handles, labels), key=lambda entry: entry[1] == ONE_SEED)
+        handles, labels = [handle for handle, _ in entries], [label for _, label in entries]
     width = fig.get_figwidth()
     labels = [textwrap.fill(label, int((width - LEGEND_MARKER_INCHES) * LEGEND_CHARS_PER_INCH)) for label in labels]
     widest = max(len(line) for label in labels for line in label.splitlines())
@@ -148,33 +241,31 @@ def _against(runs: list[RunResult], axis: str, gap: bool, published: Sequence[Pu
             firsts.setdefault(label, r)
     # A series run at one value of the axis says nothing about it: where others span it, leave it out.
     series = {label: points for label, points in series.items() if len(points) > 1} or series
-    colors = _colors(series)
+    styles = _styles({label: firsts[label] for label in series}, runs)
     names = _legend_names({label: firsts[label] for label in series}, varying)
     fig = Figure(figsize=(6.4, 4.4), layout="constrained")
     ax = fig.add_subplot()
     ax.set_title(f"{'Gap to DP' if gap else 'Final validation loss'} against {X_AXES[axis][1]}")
     for index, (label, points) in enumerate(series.items()):
         xs = sorted(points)
-        stats = [mean_std(points[x]) for x in xs]
-        ax.errorbar([_dodge(x, index, len(series)) for x in xs], [m for m, _ in stats],
-                    yerr=[s or 0.0 for _, s in stats], marker="o", capsize=3, color=colors[label], label=names[label])
-    methods = {firsts[label].method: colors[label] for label in reversed(list(series))}
+        _mean_points(ax, [_dodge(x, index, len(series)) for x in xs], [points[x] for x in xs], styles[label],
+                     names[label], styles[label].linestyle)
+    _one_seed_entry(ax, (values for points in series.values() for values in points.values()))
+    colors = _method_colors(runs)
     for index, (label, points) in enumerate(published):
         xs = sorted(points)
-        color = methods.get(label.split()[0], f"C{(len(series) + index) % 10}")
+        color = colors.get(label.split()[0], f"C{(len(colors) + index) % 10}")
         ax.plot(xs, [points[x] for x in xs], marker="*", markersize=12, linestyle="none", markerfacecolor="none",
                 color=color, label=label)
     if gap:
+        # dp's gap is 0 at every seed (each run's gap is to dp's run of its own seed), so dp's spread
+        # is already inside every point's: the line has no band.
         ax.axhline(0.0, color="black", linestyle="--", linewidth=1, label="dp")
-        ax.set_ylabel("gap to DP (%)")
+        ax.set_ylabel(f"gap to DP (%), {MEAN_STD}")
         _plain_y(ax, 2 * DEFAULT_MARGIN_PCT)
     else:
-        for model, tokens in sorted({r.budget for r in runs if r.is_dp and r.final_val_loss is not None}):
-            dp = mean_std([r.final_val_loss for r in runs if r.is_dp and r.budget == (model, tokens)
-                            and r.final_val_loss is not None])[0]
-            ax.axhline(dp, color="black", linestyle="--", linewidth=1,
-                       label="dp" if "tokens" not in varying else f"dp tokens={tokens}")
-        ax.set_ylabel("final validation loss")
+        _dp_reference(ax, runs)
+        ax.set_ylabel(f"final validation loss, {MEAN_STD}")
         _plain_y(ax, _loss_span(r.final_val_loss for r in trained))
     _log2_axis(ax, sorted({getattr(r, axis) for r in trained}.union(*(points for _, points in published))),
                X_AXES[axis][1])
@@ -217,24 +308,22 @@ def _against_knob(runs: list[RunResult], key: str, knobs: dict[str, list[str]]) 
     ax.set_title(f"Final validation loss against {key}")
     searched_any = {m for ms in knobs.values() for m in ms}
     where = (searched[0].workers, searched[0].inner_steps, searched[0].budget)
-    references = [g for g in group_runs([r for r in runs if r.method not in searched_any and r.final_val_loss is not None])
-                  if g.first.is_dp or (not varying and (g.first.workers, g.first.inner_steps, g.first.budget) == where)]
-    firsts.update((g.first.label, g.first) for g in references if not g.first.is_dp)
-    colors = _colors(firsts)
+    references = [g for g in group_runs([r for r in runs if r.method not in searched_any and not r.is_dp
+                                         and r.final_val_loss is not None])
+                  if not varying and (g.first.workers, g.first.inner_steps, g.first.budget) == where]
+    firsts.update((g.first.label, g.first) for g in references)
+    styles = _styles(firsts, runs)
     names = _legend_names(firsts, varying, ignore=frozenset({key}))
     for label, points in series.items():
         xs = sorted(points)
-        stats = [mean_std(points[x]) for x in xs]
-        ax.errorbar(xs, [m for m, _ in stats], yerr=[s or 0.0 for _, s in stats], marker="o", capsize=3,
-                    color=colors[label], label=names[label])
+        _mean_points(ax, xs, [points[x] for x in xs], styles[label], names[label], styles[label].linestyle)
+    _one_seed_entry(ax, (values for points in series.values() for values in points.values()))
     # Flat lines: what the searched method is compared with (dp; the other methods at its one R and H).
+    _dp_reference(ax, runs)
     for group in references:
-        mean = mean_std(group.values("final_val_loss"))[0]
-        if group.first.is_dp:
-            ax.axhline(mean, color="black", linestyle="--", linewidth=1, label="dp")
-        else:
-            ax.axhline(mean, color=colors[group.first.label], linestyle=":", linewidth=1.5,
-                       label=names[group.first.label])
+        style = styles[group.first.label]
+        ax.axhline(mean_std(group.values("final_val_loss"))[0], color=style.color, linestyle=style.reference,
+                   linewidth=1.5, label=names[group.first.label])
     ticks = sorted({x for points in series.values() for x in points})
     if ticks[0] > 0 and ticks[-1] / ticks[0] >= 4:  # a search over scales (learning rates): log axis
         from matplotlib.ticker import NullLocator
@@ -243,7 +332,7 @@ def _against_knob(runs: list[RunResult], key: str, knobs: dict[str, list[str]]) 
         ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticks(ticks, [f"{x:g}" for x in ticks], rotation=90 if len(ticks) > 5 else 0)
     ax.set_xlabel(key)
-    ax.set_ylabel("final validation loss (mean ± std over seeds)")
+    ax.set_ylabel(f"final validation loss, {MEAN_STD}")
     _plain_y(ax, _loss_span(r.final_val_loss for r in trained))
     ax.grid(True, alpha=0.3)
     _legend_below(fig)
@@ -251,19 +340,22 @@ def _against_knob(runs: list[RunResult], key: str, knobs: dict[str, list[str]]) 
 
 
 def _curves(runs: list[RunResult]) -> Any:
-    """Validation loss against tokens, one panel per R; dp (dashed) in every panel."""
+    """Validation loss against tokens, one panel per R; dp (dashed) in every panel; each seed its
+    marker, so that one run's curve can be followed and told from the other seeds'."""
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import EngFormatter, MaxNLocator
 
     with_curve = [r for r in runs if r.curve]
     trained = [r for r in with_curve if not r.is_dp]
     panels = sorted({r.workers for r in trained}) or [None]
     varying = [d for d in ("inner_steps", "tokens") if len({getattr(r, d) for r in trained}) > 1]
-    seeds = len({r.seed for r in with_curve}) > 1
+    seeds = sorted({r.seed for r in with_curve})
+    markers = {seed: MARKERS[i % len(MARKERS)] for i, seed in enumerate(seeds)}
     firsts: dict[str, RunResult] = {}
     for r in trained:
         firsts.setdefault(_series_label(r, varying), r)
-    colors = _colors(firsts)
+    styles = _styles(firsts, runs)
     names = _legend_names(firsts, varying)
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
@@ -274,15 +366,18 @@ def _curves(runs: list[RunResult]) -> Any:
     last = max(t for r in with_curve for t, _ in r.curve)
     low = min(v for r in with_curve for _, v in r.curve)
     high = max(v for r in with_curve for t, v in r.curve if t >= 0.25 * last)
+    # The legend's entries: a series by its colour and line style, a seed by its marker.
     handles: dict[str, Any] = {}
     for ax, workers in zip(axes, panels):
         for r in [x for x in with_curve if x.is_dp or x.workers == workers]:
-            label = f"dp ({r.tokens:,} tokens)" if r.is_dp else names[_series_label(r, varying)]
-            label += f" seed {r.seed}" if seeds else ""
-            color, style = ("black", "--") if r.is_dp else (colors[_series_label(r, varying)], "-")
-            (line,) = ax.plot([t for t, _ in r.curve], [v for _, v in r.curve], marker=".", color=color,
-                              linestyle=style)
-            handles.setdefault(label, line)
+            if r.is_dp:
+                label, color, linestyle = f"dp ({r.tokens:,} tokens)", "black", "--"
+            else:
+                style = styles[_series_label(r, varying)]
+                label, color, linestyle = names[_series_label(r, varying)], style.color, style.linestyle
+            ax.plot([t for t, _ in r.curve], [v for _, v in r.curve], marker=markers[r.seed], markersize=3.5,
+                    linewidth=1, color=color, linestyle=linestyle)
+            handles.setdefault(label, Line2D([], [], color=color, linestyle=linestyle, linewidth=1))
         ax.set_title("dp" if workers is None else f"R = {workers}")
         ax.set_xlabel("training tokens")
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))
@@ -296,7 +391,7 @@ def _curves(runs: list[RunResult]) -> Any:
         for r in [x for x in with_curve if x.is_dp or x.workers == workers]:
             above = [t for t, v in r.curve if v > top]
             if above:
-                color = "black" if r.is_dp else colors[_series_label(r, varying)]
+                color = "black" if r.is_dp else styles[_series_label(r, varying)].color
                 ax.plot(above, [top] * len(above), marker="^", linestyle="none", color=color, clip_on=False)
     axes[0].set_ylim(low - pad, top)
     _plain_y(axes[0], _loss_span([high]))
@@ -305,6 +400,9 @@ def _curves(runs: list[RunResult]) -> Any:
                      fontsize="small")
     for ax in axes[::cols]:
         ax.set_ylabel("validation loss")
+    if len(seeds) > 1:
+        handles.update((f"seed {seed}", Line2D([], [], color="grey", marker=markers[seed], linestyle="none"))
+                       for seed in seeds)
     _legend_below(fig, list(handles.values()), list(handles))
     return fig
 
@@ -319,27 +417,23 @@ def _against_bytes(runs: list[RunResult]) -> Any:
                                      and r.slow_link_bytes])]
     varying = [d for d in ("workers", "inner_steps", "tokens") if len({getattr(g.first, d) for g in groups}) > 1]
     firsts = {_series_label(g.first, varying): g.first for g in groups}
-    names, colors = _legend_names(firsts, varying), _colors(firsts)
+    names, styles = _legend_names(firsts, varying), _styles(firsts, runs)
     fig = Figure(figsize=(6.4, 4.4), layout="constrained")
     ax = fig.add_subplot()
     ax.set_title("Final validation loss against the slow link's bytes")
     sent = {id(group): mean_std(group.values("slow_link_bytes"))[0] for group in groups}
     for group in groups:
         label = _series_label(group.first, varying)
-        loss, spread = mean_std(group.values("final_val_loss"))
         # Settings that send the same bytes stand side by side, not on top of each other.
         same = [other for other in groups if f"{sent[id(other)]:.6g}" == f"{sent[id(group)]:.6g}"]
-        x = _dodge(sent[id(group)], same.index(group), len(same))
-        ax.errorbar([x], [loss], yerr=[spread or 0.0], marker="o",
-                    capsize=3, linestyle="none", color=colors[label], label=names[label])
-    for model, tokens in sorted({r.budget for r in runs if r.is_dp and r.final_val_loss is not None}):
-        dp = mean_std([r.final_val_loss for r in runs if r.is_dp and r.budget == (model, tokens)
-                        and r.final_val_loss is not None])[0]
-        ax.axhline(dp, color="black", linestyle="--", linewidth=1, label=f"dp ({tokens:,} tokens)")
+        _mean_points(ax, [_dodge(sent[id(group)], same.index(group), len(same))], [group.values("final_val_loss")],
+                     styles[label], names[label], "none")
+    _one_seed_entry(ax, (group.values("final_val_loss") for group in groups))
+    _dp_reference(ax, runs)
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(EngFormatter(unit="B", sep=""))
     ax.set_xlabel("slow-link bytes per process per round (measured, or modelled in one process)")
-    ax.set_ylabel("final validation loss")
+    ax.set_ylabel(f"final validation loss, {MEAN_STD}")
     _plain_y(ax, _loss_span(loss for g in groups for loss in g.values("final_val_loss")))
     ax.grid(True, alpha=0.3)
     _legend_below(fig)
