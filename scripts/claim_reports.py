@@ -39,6 +39,10 @@ from typing import Callable
 
 # view -> [(sweep folder or pattern of folders, run-name pattern, prefix for the link's name)]
 VIEWS: dict[str, list[tuple[str, str, str]]] = {
+    # The README's plot: dp and both methods at H = 30 over seeds 0-2, the seeds DiLoCo ran at every R, so
+    # that the plot draws the gaps the README's verdict pairs by seed (IsoLoCo's seeds 3-4 would move them).
+    "headline": [("main", "dp-s[012]", ""), ("main", "diloco-R*-H30-s[012]", ""),
+                 ("main", "isoloco-R*-H30-s[012]", "")],
     "claim4": [("main", "dp-s*", ""), ("main", "diloco-R*-H30-s*", ""), ("main", "diloco_sgd-R*", ""),
                ("main", "isoc-R*", ""), ("main", "isoloco-R*-H30-s*", ""), ("isoc-lr3", "isoc-R*", "lr3-")],
     "claim6": [("main", "dp-s*", ""), ("main", "diloco_sgd-R8-*", ""), ("main", "isoc-R8-*", ""),
@@ -246,6 +250,7 @@ LINK_SETTINGS = ({"quantize": "int8"}, {"quantize": "int8", "feedback": True}, {
                  {"quantize": "int4", "feedback": True}, {"overlap": 5})
 #: folder -> the --compare pairs of its report (docs/claims quotes them).
 REPORTS: dict[str, list[str]] = {
+    "headline": ["isoloco:diloco"],
     "main": ["isoloco:diloco", "isoloco:dp", "diloco:dp", "isoc:diloco", "isoloco:isoc", "isoloco_fast:isoloco",
              "isoloco_muon:muloco", "isoloco:muloco", "isoloco_muon:isoloco"],
     "claim4": ["isoc outer.lr=2.1:diloco", "isoc outer.lr=3.0:diloco", "isoloco:isoc outer.lr=2.1",

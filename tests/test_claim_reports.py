@@ -352,3 +352,22 @@ def test_every_adjusted_p_the_prose_quotes_is_one_the_page_wide_adjustment_gives
               for match in QUOTED_ADJUSTED_P.finditer(page.read_text())]
     assert len(quoted) >= 15  # the pattern still finds the quotes
     assert [(page, p) for page, p in quoted if p not in given] == []
+
+
+def test_the_readmes_plot_draws_the_gaps_it_quotes_every_point_over_the_same_seeds():
+    """The README's plot and the R = 16 gaps it quotes for IsoLoCo and DiLoCo come from one report:
+    every point of that report is over the same 3 seeds, and its plotted means (summary.csv) and its
+    paired comparison (compare.md) give the gaps and the ratio the README quotes."""
+    import csv
+
+    readme = (ROOT / "README.md").read_text()
+    folder = ROOT / re.search(r"!\[[^]]*\]\((results/claims/[^)]+)/plots/gap_vs_R\.png\)", readme)[1]
+    assert (folder / "plots" / "gap_vs_R.png").is_file()
+    rows = list(csv.DictReader((folder / "summary.csv").open()))
+    assert {row["seeds"] for row in rows} == {"3"}
+    plotted = {(row["method"], row["R"]): f"{float(row['gap_to_dp_pct_mean']):+.2f}" for row in rows}
+    (paired,) = [row for row in _script().table_rows(folder / "compare.md", "isoloco − diloco") if row["R"] == "16"]
+    quoted = re.findall(r"R = 16: ([+-][\d.]+)%\s+against\s+([+-][\d.]+)%, gap ratio ([\d.]+)", readme)
+    assert len(quoted) >= 2  # the opening paragraph and the table of verdicts
+    assert set(quoted) == {(plotted["isoloco", "16"], plotted["diloco", "16"], paired["gap ratio"])}
+    assert (paired["gap isoloco (%)"], paired["gap diloco (%)"]) == (plotted["isoloco", "16"], plotted["diloco", "16"])
