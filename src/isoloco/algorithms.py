@@ -149,6 +149,10 @@ class Algorithm(ABC):
     def settle(self) -> None:
         """Finish whatever of the last synchronisation is still running (every process, before a checkpoint)."""
 
+    def start_pending(self) -> None:
+        """Start the synchronisation the last round ended with, where it overlaps this round
+        (called as a round begins)."""
+
     def period_state(self) -> dict[str, Any]:
         """The counts of the round in progress, for a checkpoint (a collective: every process
         calls it), so a synchronisation drained before a checkpoint is reported after a resume too."""
@@ -224,6 +228,8 @@ class DiLoCo(Algorithm):
                           if cfg.outer.overlap_steps else None)
         #: Local workers whose next turn starts from their own weights and lands the update in flight.
         self.unlanded: set[int] = set()
+        #: With overlap, the synchronisation the last round ended with, until the next round starts it.
+        self._pending: Sync[None] | None = None
         self._new_period()
 
     def _new_period(self) -> None:
@@ -287,8 +293,16 @@ class DiLoCo(Algorithm):
             torch._foreach_lerp_(self.params, self.global_params, 1 - alpha)
         self.unlanded.discard(worker.index)
 
+    def start_pending(self) -> None:
+        if self._pending is not None:
+            sync, self._pending = self._pending, None
+            self.in_flight.start(sync)
+            self.unlanded = {worker.index for worker in self.workers}
+
     def settle(self) -> None:
-        """Land the synchronisation in flight, if any (θ is then θ_{t+1})."""
+        """Land the synchronisation in flight, if any (θ is then θ_{t+1}); one not yet started
+        runs whole."""
+        self.start_pending()
         if self.in_flight is not None and self.in_flight.land():
             self._ended(self.in_flight.ran_s, self.in_flight.waited_s)
 
@@ -309,8 +323,10 @@ class DiLoCo(Algorithm):
             return counted
         last = (round + 1) * self.cfg.inner_steps >= self.cfg.train_steps
         if self.in_flight is not None and not last:
-            self.in_flight.start(self._merge(participation, round))
-            self.unlanded = {worker.index for worker in self.workers}
+            # It starts when the next round does (`start_pending`), after this round's own
+            # collectives (losses, link counts, a stop signal, an evaluation): started now, its
+            # traffic would fill a slow link's queue first, and each of them would wait behind it.
+            self._pending = self._merge(participation, round)
             return counted
         began = time.perf_counter()
         run_to_end(self._merge(participation, round).steps)
@@ -483,6 +499,9 @@ class DiLoCo(Algorithm):
         self.link_counts = torch.tensor([state["links"][key] for key in LINK_COUNTS], dtype=torch.float64)
 
     def close(self) -> None:
+        if self._pending is not None:
+            self._pending.steps.close()
+            self._pending = None
         if self.in_flight is not None:
             self.in_flight.close()
 

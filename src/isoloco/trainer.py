@@ -427,6 +427,7 @@ class Trainer:
     def _timed_round(self, start: int, end: int) -> tuple[list[float], float]:
         """Train one round; its per-step losses and wall seconds (CPU time is summed too)."""
         began, began_cpu = time.perf_counter(), time.process_time()
+        self.algorithm.start_pending()
         losses = self.train_round(start, end).tolist()
         seconds = time.perf_counter() - began
         self.elapsed += seconds
