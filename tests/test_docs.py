@@ -9,8 +9,11 @@ import re
 import shlex
 import unicodedata
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
+from markdown_it import MarkdownIt
+from markdown_it.token import Token
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -49,30 +52,50 @@ def slug(heading: str) -> str:
     return kept.replace(" ", "-")
 
 
+#: The parser that reads the pages as GitHub renders them: CommonMark with GitHub's tables. A link's
+#: text may span lines, and fenced or inline code holds no links and no headings.
+MARKDOWN = MarkdownIt("commonmark").enable(["table", "strikethrough"])
+
+
+def _tokens(page: Path) -> list[Token]:
+    return MARKDOWN.parse(page.read_text())
+
+
+def _text(inline: Token) -> str:
+    """The text of an inline token (a heading's): its words and code, without the marks around them."""
+    return "".join(child.content for child in inline.children or [] if child.type in ("text", "code_inline"))
+
+
 def anchors(page: Path) -> set[str]:
-    """Every heading anchor of a page; a repeated one gets -1, -2, ... as on GitHub."""
+    """Every heading anchor of a page (ATX and setext headings, not `#` lines in code); a repeated
+    one gets -1, -2, ... as on GitHub."""
     seen: dict[str, int] = {}
     found: set[str] = set()
-    for language, _, line in blocks(page.read_text()):
-        heading = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line) if language is None else None
-        if not heading:
+    tokens = _tokens(page)
+    for opening, inline in zip(tokens, tokens[1:]):
+        if opening.type != "heading_open":
             continue
-        base = slug(heading[1])
+        base = slug(_text(inline))
         count = seen.get(base, 0)
         seen[base] = count + 1
         found.add(base if count == 0 else f"{base}-{count}")
     return found
 
 
-LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-
-
 def links(page: Path) -> list[tuple[int, str]]:
-    """Every link and image target of a page outside code (fenced blocks and inline code)."""
+    """Every link and image target of a page, as a Markdown parser reads them (a link whose text
+    spans lines included; none in code), each with the line its link starts on. Targets are
+    unquoted (the parser percent-encodes `#worker_speeds-and-σ`)."""
     found = []
-    for language, number, line in blocks(page.read_text()):
-        if language is None:
-            found += [(number, match[1]) for match in LINK.finditer(re.sub(r"`[^`]*`", "``", line))]
+    for block in _tokens(page):
+        if block.type != "inline" or block.map is None:
+            continue
+        number = block.map[0] + 1
+        for child in block.children or []:
+            if child.type in ("softbreak", "hardbreak"):
+                number += 1
+            elif child.type in ("link_open", "image"):
+                found.append((number, unquote(str(child.attrs["href" if child.type == "link_open" else "src"]))))
     return found
 
 
@@ -117,6 +140,20 @@ def test_a_repeated_heading_gets_a_numbered_anchor(tmp_path):
     assert anchors(page) == {"a", "tests", "tests-1", "tests-2"}
     assert broken_link(page, "#tests-2") is None
     assert "does not exist" in broken_link(page, "missing.md")
+
+
+def test_a_link_whose_text_spans_two_lines_is_read_and_its_anchor_checked(tmp_path):
+    """A link is read as a Markdown parser reads it, whatever lines its text spans: a same-page
+    anchor that lives on another page, and a cross-page anchor the other page lacks, are caught;
+    one in code is no link."""
+    (tmp_path / "other.md").write_text("# Other\n\nSetext heading\n--------------\n")
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n\nIntro: [the other\npage's heading](#other), then [its setext\n"
+                    "heading](other.md#setext-heading) and [a missing\none](other.md#missing).\n\n"
+                    "`[code](#nowhere)`\n\n```md\n[fenced](#nowhere)\n```\n\n| a |\n|---|\n| [cell](#page) |\n")
+    assert links(page) == [(3, "#other"), (4, "other.md#setext-heading"), (5, "other.md#missing"), (16, "#page")]
+    broken = [(number, broken_link(page, target)) for number, target in links(page) if broken_link(page, target)]
+    assert broken == [(3, "the page has no heading #other"), (5, "other.md has no heading #missing")]
 
 
 # ---------------------------------------------------------------------------------------
