@@ -155,3 +155,30 @@ def test_wire_bytes_per_process_are_flat_in_the_islands(islands):
     assert ratios["int4"] == pytest.approx((0.5 + 4 / 256) / 4, rel=5e-3) and ratios["int4"] <= 0.17
     # The old layout (every worker's codes gathered) grows with P; this one does not.
     assert ChunkPlan.of(shapes, Quantization("none"), islands, 1).wire_bytes() == pytest.approx(float32, rel=1e-3)
+
+
+@pytest.mark.parametrize("fmt, scales", [("int8", "block"), ("int4", "block"), ("int4", "row")])
+def test_a_runs_bytes_per_worker_are_its_tensors_codes_and_scales(tmp_path, fmt, scales):
+    """What a run reports each worker sent in a round, against a count made here from the
+    parameters' shapes and the codec's layout: per tensor, its codes (a byte per entry for int8,
+    half a byte for int4, rounded up) and a float32 scale per group (100 entries, the last group
+    shorter; or a matrix row, a vector being one row)."""
+    import json
+
+    from isoloco.config import resolve
+    from isoloco.trainer import Trainer
+    from helpers import SMALL
+
+    cfg = resolve(None, {**SMALL, "method": "diloco", "workers": 2, "steps": 2, "inner_steps": 2, "eval_every": 2,
+                         "merge.quantize": fmt, "merge.quantize_scales": scales, "merge.quantize_block": 100})
+    trainer = Trainer(cfg, tmp_path, progress=False)
+    trainer.run()
+    expected = 0
+    for _, param in trainer.named_params:
+        entries = param.numel()
+        codes = entries if fmt == "int8" else (entries + 1) // 2
+        groups = -(-entries // 100) if scales == "block" else param.shape[0] if param.ndim == 2 else 1
+        expected += codes + 4 * groups
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["bytes_per_worker"] for line in lines if "bytes_per_worker" in line] == [expected]
+    assert {param.ndim for _, param in trainer.named_params} == {1, 2}  # both kinds of row counted
