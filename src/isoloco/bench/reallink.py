@@ -43,7 +43,7 @@ from isoloco.bench.islandnet import IslandNet, require_namespaces
 from isoloco.bench.link import steady_rounds
 from isoloco.bench.table import Table
 from isoloco.errors import UsageError
-from isoloco.sync.cost import Link
+from isoloco.sync.cost import TCP_FRAMING, Link
 
 #: Each compressor as `isoloco train` items (error feedback wherever rounding loses something).
 SETTINGS = {
@@ -157,32 +157,39 @@ def tables(results: dict[Case, list[dict[str, float]]], islands: int, processes:
         table = Table(f"The real link at {rate:g} Mbit/s: `{model}`, {islands} islands of {processes} process"
                       f"{'es' if processes > 1 else ''}, H = {inner_steps}",
                       ["setting", "τ", "round s", "exposed s", "beyond compute s", "sync s", "model sync s",
-                       "model round s", "kernel bytes / sync", "reported bytes / sync", "bytes off"])
+                       "sync off", "model round s", "kernel bytes / sync", "reported bytes / sync", "bytes off"])
         for case in sorted((c for c in results if c.rate_mbit == rate), key=lambda c: (list(SETTINGS).index(c.setting),
                                                                                         c.tau)):
             runs = results[case]
-            reference = results.get(Case(case.setting, None, case.tau))
+            reference = results.get(Case(case.setting, None, 0))
+            # On a link of no cost a round is compute, and its synchronisation the merge's own compute.
             compute = (statistics.median(r["round_s"] - r["sync_exposed_s"] for r in reference)
                        if reference else None)
-            model_sync = Link(bandwidth=rate * 1e6 / 8, latency=0.0).collective_seconds(
-                "all_reduce", statistics.median(r["reported_bytes_per_sync"] for r in runs), 2)
+            merge_compute = statistics.median(r["sync_s"] for r in reference) if reference else 0.0
+            reported = statistics.median(r["reported_bytes_per_sync"] for r in runs)
+            link_s = Link(bandwidth=rate * 1e6 / 8, latency=0.0, framing=TCP_FRAMING).collective_seconds(
+                "all_reduce", reported, islands)
+            model_sync = merge_compute + link_s
             hidden = compute / inner_steps * case.tau if compute is not None else 0.0
             kernel = statistics.median(r["kernel_bytes_per_sync"] for r in runs)
-            reported = statistics.median(r["reported_bytes_per_sync"] for r in runs)
+            sync = statistics.median(r["sync_s"] for r in runs)
             table.add(case.setting, str(case.tau), median_range([r["round_s"] for r in runs], ".2f"),
                       median_range([r["sync_exposed_s"] for r in runs], ".2f"),
                       median_range([r["round_s"] - compute for r in runs], ".2f") if compute is not None else "—",
                       median_range([r["sync_s"] for r in runs], ".2f"), f"{model_sync:.2f}",
+                      f"{(sync - model_sync) / model_sync:+.0%}",
                       f"{compute + max(0.0, model_sync - hidden):.2f}" if compute is not None else "—",
                       f"{kernel:,.0f}", f"{reported:,.0f}", f"{(kernel - reported) / reported:+.1%}")
         table.notes.append(
             "Median (range) over the repeats of the steady rounds' medians. round s: wall seconds per round; exposed "
             "s: the synchronisation seconds the run reports training waited for; beyond compute s: round s less the "
             "compute of a round (the same case on an unshaped link: its round less its exposed seconds); sync s: "
-            "the synchronisation's seconds from start to end. model sync s: the cost model's seconds for the "
-            "reported wire bytes at this rate with no latency (no delay is added to the link); model round s: the "
-            "compute plus what of the model's sync seconds the τ overlapped steps do not hide. kernel bytes / sync: "
-            "what TCP carried out of the islands (the shaper's count less 66 header bytes a packet), per process "
+            "the synchronisation's seconds from start to end. model sync s: the merge's own compute (the unshaped "
+            "run's sync s) plus the cost model's seconds for the reported wire bytes at this rate, TCP's headers "
+            "charged (`isoloco.sync.cost.TCP_FRAMING`) and no latency (no delay is added to the link); sync off: "
+            "measured against it. model round s: the compute plus what of the model's sync seconds the τ overlapped "
+            "steps do not hide. kernel bytes / sync: what TCP carried out of the islands (the shaper's count less 66 "
+            "header bytes a packet), per process "
             "and synchronisation, start-up and evaluation traffic included; reported: the run's own "
             "wire_bytes_cross_island (the cost model's count of what the collectives send).")
         out.append(table)
@@ -234,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    cases = [Case(s, rate, tau) for rate in [None, *args.rate_list] for s in args.setting_list for tau in args.tau_list]
+    # The unshaped reference gives a round's compute, which τ does not change: at τ = 0 only.
+    cases = [Case(s, None, 0) for s in args.setting_list]
+    cases += [Case(s, rate, tau) for rate in args.rate_list for s in args.setting_list for tau in args.tau_list]
     results: dict[Case, list[dict[str, float]]] = {case: [] for case in cases}
     port = PORT_BASE
     with tempfile.TemporaryDirectory(prefix="isoloco-reallink-") as root, \

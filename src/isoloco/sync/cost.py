@@ -48,19 +48,28 @@ def latency_steps(kind: str, processes: int) -> int:
     return 2 * (processes - 1) if kind in ("all_reduce", "chain_sum") else processes - 1
 
 
+#: Bytes a TCP stream over IPv4 and Ethernet (MTU 1500) puts on a link per byte it carries: each
+#: 1,448-byte segment leaves as a 1,514-byte frame, and the other direction's acknowledgements (a
+#: 66-byte frame per two segments) share the link, since a collective sends both ways. Real links
+#: charge it (`isoloco.bench.reallink` measures it); the emulated link charges what is sent alone.
+TCP_FRAMING = (1514 + 66 / 2) / 1448
+
+
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """A link of `bandwidth` bytes/s per member and `latency` seconds per message."""
+    """A link of `bandwidth` bytes/s per member and `latency` seconds per message; `framing`
+    bytes cross it per byte a collective sends (1: none; a real TCP link: `TCP_FRAMING`)."""
 
     bandwidth: float
     latency: float
+    framing: float = 1.0
 
     def collective_seconds(self, kind: str, wire: float, processes: int, calls: int = 1) -> float:
         """Seconds of `calls` collectives of `kind` over `processes` members that put `wire`
         bytes in all on this member's link: the bytes at the bandwidth, and a latency per
         latency-bound step of each call."""
         on_path = wire * processes if kind == "chain_sum" else wire
-        return on_path / self.bandwidth + calls * latency_steps(kind, processes) * self.latency
+        return on_path * self.framing / self.bandwidth + calls * latency_steps(kind, processes) * self.latency
 
     def seconds(self, kind: str, size: float, processes: int, messages: int = 1) -> float:
         """Seconds of `messages` collectives of `kind` moving `size` bytes in all over
