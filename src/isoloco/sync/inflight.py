@@ -1,8 +1,9 @@
 """A synchronisation in flight while the next round trains (Streaming DiLoCo's overlap).
 
 With `outer.overlap_steps=τ > 0`, round t's synchronisation (the merge and the outer step that
-make θ_{t+1}) starts when round t ends, and each worker trains the first τ inner steps of round
-t+1 from its own weights θ_r. Then the update *lands*: the worker waits for whatever of the
+make θ_{t+1}) starts as round t+1 begins, after round t's own collectives (its losses, metrics, a
+stop signal, an evaluation), which would otherwise wait behind its traffic in a slow link's
+queue; each worker trains the first τ inner steps of round t+1 from its own weights θ_r. Then the update *lands*: the worker waits for whatever of the
 synchronisation is left, and its weights become (1 − α)·θ_{t+1} + α·θ_r (α =
 `outer.overlap_alpha`) before its remaining H − τ steps. This is torchft's
 `fragment_sync_delay` and `fragment_update_alpha`, for the whole model at once.
