@@ -238,6 +238,49 @@ def test_offloaded_sparseloco_accumulators_are_stored_back_without_the_host_wait
     copies.check_settled()
 
 
+
+@pytest.mark.parametrize("transport", ["error_feedback", "sparseloco"])
+def test_a_checkpoint_waits_for_the_copies_back_before_it_reads_the_residuals(tmp_path, monkeypatch, transport):
+    """A residual (or SparseLoCo accumulator) whose copy back to pinned host memory is still on
+    its way when a checkpoint is written: the checkpoint waits for it (`offload.settle`) and holds
+    what landed. Played on the CPU: the copy lands when its event is waited for."""
+    from isoloco import checkpoint as ckpt
+    from isoloco.algorithms import workers_file
+    from isoloco.config import resolve
+    from isoloco.sync import offload
+    from isoloco.trainer import Trainer
+    from helpers import SMALL
+
+    class Landing:
+        """The event of a copy into `stored` that lands when the host waits for it."""
+
+        def __init__(self, stored: torch.Tensor) -> None:
+            self.stored = stored
+
+        def synchronize(self) -> None:
+            self.stored.fill_(7.0)
+
+    keys = ({"merge.quantize": "int8", "merge.error_feedback": True} if transport == "error_feedback"
+            else {"outer.transport": "sparseloco"})
+    cfg = resolve(None, {**SMALL, "method": "diloco", "workers": 2, "steps": 2, "inner_steps": 2, "eval_every": 2,
+                         **keys})
+    trainer = Trainer(cfg, tmp_path, progress=False)
+    save = Trainer.save
+
+    def save_with_copies_on_their_way(trainer, *args):
+        for worker in trainer.algorithm.workers:
+            for residual in worker.residual:
+                offload._pending[residual.data_ptr()] = (Landing(residual), torch.device("cpu"))
+        return save(trainer, *args)
+
+    monkeypatch.setattr(Trainer, "save", save_with_copies_on_their_way)
+    monkeypatch.setattr(offload, "_pending", {})  # this test's copies only, whatever it ends with
+    trainer.run()
+    saved = ckpt.load_tensors(ckpt.latest_checkpoint(tmp_path / "checkpoints"), workers_file(0))
+    residuals = {key: tensor for key, tensor in saved.items() if ".residual." in key}
+    assert residuals and all(bool((tensor == 7.0).all()) for tensor in residuals.values())
+    assert not offload._pending
+
 def test_low_rank_factors_are_made_where_the_merge_computes(monkeypatch):
     """Offloaded from a GPU, deltas and residuals are stored in pinned host memory and fetched to
     the GPU, where the merge computes: the first round's warm-start factors must be made there,
