@@ -28,7 +28,7 @@ from isoloco.data.cli import add_data_commands
 from isoloco.distributed import Distributed, launched_world_size, process_group
 from isoloco.errors import EXIT_INTERRUPTED, REPORTED, UsageError, describe
 from isoloco.launch import add_launch_command
-from isoloco.stop import Interrupted, StopAtOnce, StopRequested
+from isoloco.stop import Interrupted, SecondSignal, StopAtOnce, StopRequested
 from isoloco.layout import ProcessLayout
 from isoloco.sweep import add_sweep_commands
 from isoloco.rundir import CHECKPOINT_DIR, CONFIG_FILE, SUMMARY_FILE, TOKENIZER_FILE
@@ -136,7 +136,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         _print_dry_run(cfg, out, bool(args.resume))
         return 0
-    # Until its first round, a run has nothing to finish or checkpoint: SIGTERM stops it at once,
+    # Until its first round, a run has nothing to finish or checkpoint: a signal stops it at once,
     # saying so (then trainer.run's GracefulStop finishes the round a signal arrives in).
     with StopAtOnce() as starting:
         try:
@@ -223,13 +223,18 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path, starting: Stop
     except StopRequested as stopped:
         logger.log(logs.NOTICE, "%s; continue with: %s", stopped, _resume_command(out, dist.world_size))
         return 128 + stopped.signum
-    finally:
-        starting.restore()  # the run has begun: a signal now is the round's (or the default's)
+    except SecondSignal as stopped:
+        logger.log(logs.NOTICE, "stopped at once by a second %s, losing the work since the last checkpoint (or "
+                   "the start, before the first); continue with: %s", stopped, _resume_command(out, dist.world_size))
+        return EXIT_INTERRUPTED
     if dist.is_main:
         summary["unigram_baseline"] = trainer.data.unigram_loss
         write_json_atomic(out / SUMMARY_FILE, summary)
         print(f"results in {out}")
         print(final_line(summary, cfg))
+    if starting.requested:  # kept since the loop ended (`StopAtOnce`): there was nothing left to stop
+        logger.log(logs.NOTICE, "%s arrived as the run ended, after its final checkpoint: it is complete (nothing "
+                   "to resume)", signal.Signals(starting.signum).name)
     return 0
 
 
@@ -372,5 +377,4 @@ def main(argv: list[str] | None = None) -> int:
             logger.error(line)
         return status
     except KeyboardInterrupt:
-        logger.log(logs.NOTICE, "interrupted")
-        return EXIT_INTERRUPTED
+        return logs.interrupted()

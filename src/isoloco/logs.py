@@ -22,6 +22,8 @@ import sys
 
 from tqdm import tqdm
 
+from isoloco.errors import EXIT_INTERRUPTED
+
 PACKAGE = "isoloco"
 NOTICE = logging.INFO + 5
 logging.addLevelName(NOTICE, "NOTICE")
@@ -57,6 +59,13 @@ def interactive() -> bool:
 def job_rank() -> int:
     """This process's rank in a torchrun job; 0 outside one."""
     return int(os.environ.get("RANK", "0"))
+
+
+def interrupted() -> int:
+    """Say that Ctrl-C interrupted the command where it had nothing to finish first, and return
+    the exit status a shell gives it (`errors.EXIT_INTERRUPTED`)."""
+    logging.getLogger(PACKAGE).log(NOTICE, "interrupted")
+    return EXIT_INTERRUPTED
 
 
 def setup(quiet: bool = False) -> None:

@@ -234,9 +234,7 @@ class Trainer:
 
     def train_round(self, start: int, end: int) -> torch.Tensor:
         """One round (dp: one segment of H steps); the mean loss per step over the workers that
-        count (see `on_bad_worker`) and took that step, across processes. With overlap, the
-        synchronisation the last round ended with starts first."""
-        self.algorithm.start_pending()
+        count (see `on_bad_worker`) and took that step, across processes."""
         worker_losses = torch.zeros(len(self.workers), end - start, device=self.device)
         taken = torch.zeros_like(worker_losses)  # 1 where the worker took the step
         for losses, took, worker in zip(worker_losses, taken, self.workers):
@@ -390,7 +388,7 @@ class Trainer:
         self.bar = tqdm(total=cfg.train_steps * workers, initial=self.step * workers,
                         disable=not (self.progress and logs.interactive()),
                         unit="step" if workers == 1 else "worker-step", dynamic_ncols=True)
-        stop = GracefulStop()
+        stop = GracefulStop(said=self._stopping)
         signum = 0
         try:
             while self.step < cfg.train_steps:
@@ -426,9 +424,16 @@ class Trainer:
                        "checkpoint, so it is complete (nothing to resume)", signal.Signals(signum).name)
         return self.summary()
 
+    def _stopping(self, signum: int) -> None:
+        """Acknowledge a first stop signal at once: finishing the round may take a while."""
+        logger.log(logs.NOTICE, "%s: finishing the round, then writing a checkpoint and stopping; a second signal "
+                   "(Ctrl-C again) stops at once, losing the work since the last checkpoint",
+                   signal.Signals(signum).name)
+
     def _timed_round(self, start: int, end: int) -> tuple[list[float], float]:
         """Train one round; its per-step losses and wall seconds (CPU time is summed too)."""
         began, began_cpu = time.perf_counter(), time.process_time()
+        self.algorithm.start_pending()
         losses = self.train_round(start, end).tolist()
         seconds = time.perf_counter() - began
         self.elapsed += seconds
