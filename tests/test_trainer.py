@@ -187,7 +187,8 @@ def test_an_error_in_flight_surfaces_in_the_next_turn_and_closes_the_synchronisa
     trainer.train_round(0, 3)  # round 0's synchronisation starts in flight
     monkeypatch.setattr(outer_module.OuterStep, "_apply", lambda self, merge, deltas, fetch: (
         (yield from merge), failing_step(self))[1])
-    trainer.train_round(3, 6)  # lands round 0's (fine), starts round 1's, which will fail
+    trainer.train_round(3, 6)  # starts and lands round 0's (fine), ends with round 1's, which will fail
+    trainer.algorithm.start_pending()  # as round 2 begins
     in_flight = trainer.algorithm.in_flight
     assert in_flight.running
     with pytest.raises(RuntimeError, match="spoiled outer step"):

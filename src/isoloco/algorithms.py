@@ -326,6 +326,7 @@ class DiLoCo(Algorithm):
             # It starts when the next round does (`start_pending`), after this round's own
             # collectives (losses, link counts, a stop signal, an evaluation): started now, its
             # traffic would fill a slow link's queue first, and each of them would wait behind it.
+            assert self._pending is None, "the last round's synchronisation was never started"
             self._pending = self._merge(participation, round)
             return counted
         began = time.perf_counter()

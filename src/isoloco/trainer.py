@@ -234,7 +234,9 @@ class Trainer:
 
     def train_round(self, start: int, end: int) -> torch.Tensor:
         """One round (dp: one segment of H steps); the mean loss per step over the workers that
-        count (see `on_bad_worker`) and took that step, across processes."""
+        count (see `on_bad_worker`) and took that step, across processes. With overlap, the
+        synchronisation the last round ended with starts first."""
+        self.algorithm.start_pending()
         worker_losses = torch.zeros(len(self.workers), end - start, device=self.device)
         taken = torch.zeros_like(worker_losses)  # 1 where the worker took the step
         for losses, took, worker in zip(worker_losses, taken, self.workers):
@@ -433,7 +435,6 @@ class Trainer:
     def _timed_round(self, start: int, end: int) -> tuple[list[float], float]:
         """Train one round; its per-step losses and wall seconds (CPU time is summed too)."""
         began, began_cpu = time.perf_counter(), time.process_time()
-        self.algorithm.start_pending()
         losses = self.train_round(start, end).tolist()
         seconds = time.perf_counter() - began
         self.elapsed += seconds

@@ -1,0 +1,34 @@
+"""An overlapped synchronisation is never in flight while the loop's own cross-island collectives
+run (the round's losses, its link counts, a stop signal, an evaluation): on a real slow link
+each of them would queue behind the synchronisation's traffic, seconds no counter reports."""
+
+from isoloco.config import resolve
+from isoloco.distributed import Distributed
+from isoloco.trainer import Trainer
+import helpers
+
+
+def test_the_loops_collectives_never_meet_a_synchronisation_in_flight(tmp_path, monkeypatch):
+    cfg = resolve(None, {**helpers.SMALL, "method": "isoloco", "workers": 2, "inner_steps": 3, "steps": 12,
+                         "eval_every": 6, "outer.overlap_steps": 2})
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    (tmp_path / "run").mkdir()
+    in_flight = trainer.algorithm.in_flight
+    seen: list[tuple[str, bool]] = []
+    for name in ("sum", "max", "mean_link_counts"):
+        original = getattr(Distributed, name)
+
+        def recorded(self, *args, _name=name, _original=original, **kwargs):
+            seen.append((_name, in_flight.running))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Distributed, name, recorded)
+    landed = []
+    monkeypatch.setattr(type(in_flight), "land", lambda self, _land=type(in_flight).land: landed.append(
+        self.running) or _land(self))
+    trainer.run()
+    called = {name for name, _ in seen}
+    assert {"sum", "max", "mean_link_counts"} <= called
+    assert not any(running for _, running in seen), seen
+    # and the synchronisations did overlap the rounds: each landed while in flight, mid-round
+    assert landed.count(True) >= 2
