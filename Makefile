@@ -19,25 +19,31 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev,torchft,torchtitan]"
 	touch $@
 
-# The quick preset's final validation loss on the CPUs docs/training.md names: a CPU's kernels move
-# the last digits, so `make demo` says whether its run landed within that spread.
-DEMO_SPREAD := 4.4403 4.4403
+# The quick preset's final validation loss (docs/training.md) and how far a run may land from it and
+# still match: a CPU's kernels, the thread count and package versions move the last digits (the
+# foreach kernel's results on three CPUs spanned 0.0013), so `make demo` compares within 0.002.
+DEMO_REFERENCE := 4.4403
+DEMO_TOLERANCE := 0.002
 DEMO_OUT := runs/isoloco-$(shell date +%Y%m%d-%H%M%S)
 
 define DEMO_CHECK
 import json, sys
 loss = round(json.load(open(sys.argv[1]))["final_val_loss"], 4)
-low, high = map(float, sys.argv[2:])
-where = "within" if low <= loss <= high else "outside"
-print(f"{loss:.4f} is {where} the spread docs/training.md gives across CPUs ({low:.4f} to {high:.4f})"
-      + ("" if where == "within" else ": another CPU, thread count or package version can move the last "
-         "digits; a difference beyond those suggests a problem"))
+reference, tolerance = map(float, sys.argv[2:])
+off = round(abs(loss - reference), 4)  # the digits printed decide, so the line never contradicts itself
+if off <= tolerance:
+    print(f"OK: final validation loss {loss:.4f} matches the reference {reference:.4f} of docs/training.md "
+          f"to within {tolerance:g}")
+else:
+    print(f"CHECK: final validation loss {loss:.4f} differs from the reference {reference:.4f} of "
+          f"docs/training.md by {off:.4f}, more than the {tolerance:g} other CPUs and thread counts move it; "
+          "another package version can move it further, a much larger difference suggests a problem")
 endef
 export DEMO_CHECK
 
 demo: install
 	$(BIN)/isoloco train --out $(DEMO_OUT)
-	@$(BIN)/python -c "$$DEMO_CHECK" $(DEMO_OUT)/summary.json $(DEMO_SPREAD)
+	@$(BIN)/python -c "$$DEMO_CHECK" $(DEMO_OUT)/summary.json $(DEMO_REFERENCE) $(DEMO_TOLERANCE)
 
 # One thread per process: several tests start 2-4 training processes at once on 2 cores.
 # TEST_WORKERS pytest processes (pytest-xdist) share the files out whole, so a module's

@@ -47,6 +47,13 @@ def test_required_keys_exist_and_help_lists_every_key(capsys):
      "merge.compress_density=0.1 is ignored with merge.compress=lowrank: it applies only with merge.compress=topk"),
     (["merge.compress_chunk=1024"], "merge.compress_chunk=1024 is ignored with merge.compress=none"),
     (["eval_every=-1"], "eval_every=-1 is not allowed: it must be >= 0"),
+    (["inner.optimizer=sgd", "inner.kernel=foreach"],
+     "inner.kernel=foreach is ignored with inner.optimizer=sgd: it applies only with inner.optimizer=adamw or muon; "
+     "set inner.optimizer to adamw or muon, or drop inner.kernel"),
+    (["method=diloco", "merge.exclude=*embed*"],
+     "merge.exclude=*embed* is ignored with merge.rule=mean: it applies only with merge.rule=tsv, iso_c or iso_cts"),
+    (["method=dp", "workers=8"], "workers=8 is ignored with algorithm=dp (method=dp): the data-parallel baseline "
+                                 "trains one model on the global batch; drop workers"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
     out = tmp_path / "run"
@@ -81,6 +88,27 @@ def test_existing_run_directory_is_refused_without_force(tmp_path, capsys):
     assert (out / "keep.txt").read_text() == "precious"
 
 
+@pytest.mark.parametrize("where", ["/proc/isoloco-test/run",  # mkdir: FileNotFoundError
+                                   "/sys/isoloco-test/run",  # mkdir: PermissionError (read-only sysfs: OSError)
+                                   "FILE/run"])  # under a regular file
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_an_out_that_cannot_be_made_or_written_exits_2_in_one_line_before_any_work(tmp_path, capsys, where, dry_run):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    out = where.replace("FILE", str(afile))
+    assert main(["train", "--out", out, "--quiet", *(["--dry-run"] if dry_run else [])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --out {out} cannot be ") and err.endswith("choose another --out")
+    assert len(err.splitlines()) == 1
+    assert afile.read_text() == "mine" and sorted(tmp_path.iterdir()) == [afile]
+
+
+def test_resume_refuses_force_instead_of_ignoring_it(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path), "--force", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --force overwrites nothing with --resume {tmp_path}") and len(err.splitlines()) == 1
+
+
 def test_resume_refuses_overrides(tmp_path, capsys):
     assert main(["train", "workers=2", "--resume", str(tmp_path), "--quiet"]) == 2
     assert "--resume continues a run" in capsys.readouterr().err
@@ -112,6 +140,40 @@ def test_a_compression_knob_with_its_compression_and_speeds_for_every_worker_are
     saved = tmp_path / "saved.yaml"
     saved.write_text(yaml.safe_dump(to_dict(resolve(None, {}))))
     assert _dry_run(capsys, str(saved), "--out", str(tmp_path / "run"))["merge"]["compress_rank"] == 4
+
+
+def test_a_config_file_and_the_same_keys_as_items_resolve_to_the_same_config(tmp_path, capsys):
+    out = ["--out", str(tmp_path / "run")]
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("method: diloco\nworkers: 2\nmerge:\n  bucket_mb: 8\n")
+    items = _dry_run(capsys, "method=diloco", "workers=2", "merge.bucket_mb=8", *out)
+    assert _dry_run(capsys, str(mine), *out) == items and items["inner"]["lr"] == 0.016  # quick's, not the method's
+    # A file names another base with `preset:`, as a preset named on the command line is.
+    mine.write_text("preset: repro-cpu\nmethod: diloco\nworkers: 2\n")
+    assert _dry_run(capsys, str(mine), *out) == _dry_run(capsys, "repro-cpu", "method=diloco", "workers=2", *out)
+    mine.write_text("preset: quikc\nworkers: 2\n")
+    assert main(["train", str(mine), *out, "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: preset: 'quikc' in {mine} is not a shipped preset") and len(err.splitlines()) == 1
+
+
+def test_dp_records_the_one_model_it_trains_whatever_a_preset_says(tmp_path, capsys):
+    assert _dry_run(capsys, "method=dp", "--out", str(tmp_path / "run"))["workers"] == 1
+    assert resolve("paper-178m", {"method": "dp"}).workers == 1  # the preset's workers=8 are its DiLoCo runs'
+
+
+def test_inner_steps_beyond_steps_is_warned_before_the_run():
+    from isoloco.config import run_warnings
+
+    (line,) = run_warnings(resolve(None, {"steps": 20}), islands=1)
+    assert line.startswith("inner_steps=30 is more than steps=20: the workers train every step apart and "
+                           "synchronise once, at the end")
+    assert run_warnings(resolve(None, {"steps": 30}), islands=1) == []
+    assert run_warnings(resolve(None, {"steps": 20, "method": "dp"}), islands=1) == []
+
+
+def test_a_shipped_presets_key_that_a_method_ignores_is_not_refused():
+    assert resolve("repro-cpu", {"inner.optimizer": "sgd"}).inner.kernel == "foreach"  # the preset's, inert
 
 
 def test_overrides_on_a_bare_command_apply_on_top_of_the_quick_preset(tmp_path, capsys):
@@ -194,6 +256,7 @@ def test_banner_names_the_recipe_and_timing_is_on_the_round_lines(tmp_path, caps
     assert main(["train", *TINY_RUN, "method=diloco", "--out", str(run)]) == 0
     banner = capsys.readouterr().err.splitlines()[0]  # a message, on stderr
     assert banner.startswith("diloco (merge mean, outer nesterov lr 0.7, inner adamw lr 0.016): model tiny")
+    assert banner.endswith(", from preset quick (the default)")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [("wall_time_s" in r, "tokens_per_s" in r) for r in records] == [(r["step"] % 2 == 0,) * 2
                                                                            for r in records]

@@ -47,3 +47,22 @@ def test_every_exported_file_gets_the_mode_the_umask_gives(tmp_path):
     modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in exported.iterdir()}
     assert "model.safetensors" in modes and "config.json" in modes
     assert modes == dict.fromkeys(modes, 0o640)
+
+
+def test_export_where_it_would_overwrite_or_cannot_write_exits_2_in_one_line_and_changes_nothing(tmp_path, capsys):
+    run, exported, afile = tmp_path / "run", tmp_path / "hf", tmp_path / "notes.txt"
+    exported.mkdir()
+    (exported / "config.json").write_text("written by hand")
+    afile.write_text("mine")
+    assert main(["train", *RUN, "--out", str(run), "--quiet"]) == 0
+    capsys.readouterr()
+    for out, said in ((exported, "already exists and is not empty: pass --force"),
+                      (afile, "is a file, not a directory"), (afile / "hf", f"cannot be made: {afile} is a file"),
+                      ("/proc/isoloco-test/hf", "cannot be written: /proc refuses new folders")):
+        assert main(["export", str(run), str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {out} {said}") and len(err.splitlines()) == 1, err
+    assert afile.read_text() == "mine" and [path.name for path in exported.iterdir()] == ["config.json"]
+    assert (exported / "config.json").read_text() == "written by hand"
+    assert main(["export", str(run), str(exported), "--force"]) == 0
+    assert json.loads((exported / "config.json").read_text())["model_type"] == "llama"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -316,3 +317,37 @@ def test_a_round_says_how_far_it_has_come_and_its_metrics_reach_the_file_before_
         for worker in (1, 2):
             assert f"step {step}/4, worker {worker} of 2" in said
     assert seen_after_round == [2, 4]  # each round's two step lines, on disk when the round ends
+
+
+# -- issue 58: the demo's last line, the licence, prepared data ------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_make_demo_reads_a_result_within_its_tolerance_as_a_match_with_the_reference_the_docs_give(tmp_path):
+    makefile = (ROOT / "Makefile").read_text()
+    check = re.search(r"^define DEMO_CHECK\n(.*?)^endef", makefile, re.S | re.M).group(1)
+    reference, tolerance = (re.search(rf"^DEMO_{name} := (\S+)$", makefile, re.M).group(1)
+                            for name in ("REFERENCE", "TOLERANCE"))
+    assert f"| `isoloco train` (IsoLoCo) | {reference} (" in (ROOT / "docs" / "training.md").read_text()
+    assert f"within {tolerance}" in (ROOT / "README.md").read_text()
+
+    def said(loss: float) -> str:
+        summary = tmp_path / "summary.json"
+        summary.write_text(json.dumps({"final_val_loss": loss}))
+        return subprocess.run([sys.executable, "-c", check, str(summary), reference, tolerance], capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    near, far = float(reference) - 1e-4, float(reference) + 10 * float(tolerance)
+    assert said(near) == (f"OK: final validation loss {near:.4f} matches the reference {reference} of "
+                          f"docs/training.md to within {tolerance}")
+    assert said(far).startswith(f"CHECK: final validation loss {far:.4f} differs from the reference {reference} of "
+                                f"docs/training.md by {far - float(reference):.4f}, more than the {tolerance}")
+
+
+def test_the_licence_pyproject_names_is_shipped_and_prepared_data_stays_out_of_git():
+    assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()
+    licence = (ROOT / "LICENSE").read_text()
+    assert licence.split()[:5] == ["Apache", "License", "Version", "2.0,", "January"] and "END OF TERMS" in licence
+    # `isoloco data prepare --out data/NAME` writes there; anchored, as src/isoloco/data/ is code.
+    assert "/data/" in (ROOT / ".gitignore").read_text().splitlines()

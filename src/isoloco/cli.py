@@ -22,11 +22,13 @@ from isoloco import __version__, logs
 from isoloco.checkpoint import latest_to_resume, write_json_atomic, write_text_atomic
 from isoloco.cliargs import add_items, parse_late
 from isoloco.comm import played_islands
-from isoloco.config import (DEFAULT_PRESET, TrainConfig, describe_keys, excluded_matrices, from_dict, matrix_names,
-                            parse_overrides, preset_names, resolve, run_warnings, split_items, to_dict)
+from isoloco.config import (BASE_KEY, DEFAULT_PRESET, TrainConfig, describe_keys, excluded_matrices, from_dict,
+                            matrix_names, parse_overrides, preset_names, preset_said, resolve, run_warnings,
+                            split_items, to_dict)
 from isoloco.data.cli import add_data_commands
 from isoloco.distributed import Distributed, launched_world_size, process_group
 from isoloco.errors import EXIT_INTERRUPTED, REPORTED, UsageError, describe
+from isoloco.fileutil import output_dir_problem
 from isoloco.launch import add_launch_command
 from isoloco.stop import Interrupted, SecondSignal, StopAtOnce, StopRequested
 from isoloco.layout import ProcessLayout
@@ -37,9 +39,11 @@ logger = logging.getLogger(__name__)
 
 
 def _check_out_dir(out: Path, force: bool) -> None:
-    """Refuse an occupied run directory unless --force, and never delete a foreign one."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file; choose a directory")
+    """Refuse an occupied run directory unless --force, never delete a foreign one, and refuse
+    one that cannot be made or written."""
+    problem = output_dir_problem(out)
+    if problem:
+        raise UsageError(f"--out {out} {problem}; choose another --out")
     if out.is_dir() and any(out.iterdir()):
         if not force:
             raise UsageError(f"{out} already exists and is not empty: pass --resume {out} to continue that run, "
@@ -81,6 +85,9 @@ def settle_run(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         if args.out:
             raise UsageError(f"--out {args.out} and --resume {args.resume} both name the run directory: a resumed "
                              "run continues in its own; drop --out")
+        if args.force:
+            raise UsageError(f"--force overwrites nothing with --resume {args.resume}: a resumed run continues from "
+                             f"its last checkpoint; drop --force (to start over, use --out {args.resume} --force)")
         out = Path(args.resume)
         cfg = _load_run_config(out)
     else:
@@ -113,8 +120,7 @@ def _parse_train(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def train_help(parser: argparse.ArgumentParser, cfg: TrainConfig, items: list[str]) -> str:
-    preset, _ = split_items(items)
-    shown = f"{preset or DEFAULT_PRESET + ' (the default preset)'} with method {cfg.method}"
+    shown = f"{preset_said(split_items(items)[0])} with method {cfg.method}"
     parser.epilog = (
         f"keys (key = value for {shown} {{allowed}}):\n" + describe_keys(cfg) + "\n\n"
         "Learning rates: each method sets the paper's values for its 178M model; the quick and repro-cpu "
@@ -215,9 +221,10 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, out: Path, starting: Stop
             write_text_atomic(out / TOKENIZER_FILE, Path(trainer.data.tokenizer_path).read_text())
     dist.barrier()
     processes = f" x {dist.world_size} processes" if dist.world_size > 1 else ""
-    logger.info("%s (%s): model %s with %s parameters, R=%d, H=%d, %d steps on %s%s", cfg.method, _recipe(cfg),
-                cfg.model, f"{trainer.num_params:,}", cfg.num_workers, cfg.inner_steps, cfg.steps, trainer.device,
-                processes)
+    source = out / CONFIG_FILE if args.resume else preset_said(split_items(args.items)[0])
+    logger.info("%s (%s): model %s with %s parameters, R=%d, H=%d, %d steps on %s%s, from %s", cfg.method,
+                _recipe(cfg), cfg.model, f"{trainer.num_params:,}", cfg.num_workers, cfg.inner_steps, cfg.steps,
+                trainer.device, processes, source)
     try:
         summary = trainer.run(resume=bool(args.resume))
     except StopRequested as stopped:
@@ -330,7 +337,7 @@ def _sync_settings(cfg: TrainConfig) -> list[str]:
 def cmd_export(args: argparse.Namespace) -> int:
     from isoloco.export import export
 
-    export(Path(args.checkpoint), Path(args.out_dir))
+    export(Path(args.checkpoint), Path(args.out_dir), args.force)
     print(f"wrote a Hugging Face model directory to {args.out_dir}")
     return 0
 
@@ -343,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train", help="train a model (dp baseline or DiLoCo with a merge rule)", add_help=False,
         formatter_class=argparse.RawDescriptionHelpFormatter, usage=TRAIN_USAGE,
-        description=f"With no preset or file, runs the `{DEFAULT_PRESET}` preset, and key=value items apply on "
-                    "top of it. Presets: " + ", ".join(preset_names()) + ".")
+        description=f"With no preset, runs the `{DEFAULT_PRESET}` preset; a YAML file of keys and key=value items "
+                    f"apply on top of it (a file may name another preset to start from with `{BASE_KEY}: NAME`). "
+                    "Presets: " + ", ".join(preset_names()) + ".")
     _train_options(train)
     add_items(train)
     train.set_defaults(func=cmd_train, parser=train)
@@ -356,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     export.add_argument("checkpoint", help="a run directory (its latest checkpoint) or a checkpoint directory")
     export.add_argument("out_dir", help="directory for save_pretrained output")
+    export.add_argument("--force", action="store_true",
+                        help="write into OUT_DIR although it holds files (files of the same names are replaced)")
     export.set_defaults(func=cmd_export)
     return parser
 

@@ -1,8 +1,9 @@
 """The run configuration: typed sections, presets as YAML files, `key=value` overrides.
 
 Resolution order (later wins): field defaults, the method's values (`isoloco.methods`),
-the preset file's keys, the preset file's `per_method.<method>` keys, command-line
-overrides. Every value is validated before any work starts.
+the preset's keys, its `per_method.<method>` keys; for a YAML file, the same of the file on
+top of the shipped preset it names with `preset:` (`quick` when it names none, as for
+key=value items alone); command-line overrides. Every value is validated before any work starts.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from isoloco.merge import MergeConfig
 from isoloco.methods import METHODS
 from isoloco.model import MODEL_PRESETS, llama_config
 from isoloco.outer import OuterConfig, validate_combination
+from isoloco.rules import RULES
 
 ALGORITHMS = ("diloco", "dp")
 BAD_WORKER_POLICIES = ("error", "drop")
@@ -96,7 +98,7 @@ class TrainConfig:
     method: str = option("isoloco", "named method whose values fill in the defaults below", METHODS)
     algorithm: str = option("diloco", "dp: one model on the global batch (baseline); diloco: R workers syncing every H steps", ALGORITHMS)
     model: str = option("tiny", "model preset", MODEL_PRESETS)
-    workers: int = option(4, "R: number of DiLoCo workers (ignored by dp)")
+    workers: int = option(4, "R: number of DiLoCo workers (dp trains one model: its config records 1)")
     inner_steps: int = option(30, "H: inner steps between synchronisations")
     global_batch: int = option(32, "sequences per inner step across all workers (each worker takes global_batch/R)")
     seq_len: int = option(128, "tokens per training sequence")
@@ -285,6 +287,9 @@ def run_warnings(cfg: TrainConfig, islands: int) -> list[str]:
     """One line for each setting a run on `islands` islands allows but that probably wastes it
     or does nothing, said before it starts."""
     lines = []
+    if cfg.algorithm == "diloco" and cfg.inner_steps > cfg.steps:
+        lines.append(f"inner_steps={cfg.inner_steps} is more than steps={cfg.steps}: the workers train every step "
+                     "apart and synchronise once, at the end; set inner_steps <= steps for more than one round")
     overlap = Fraction(cfg.outer.overlap_steps, cfg.inner_steps)
     if overlap > SAFE_OVERLAP:
         lines.append(f"outer.overlap_steps={cfg.outer.overlap_steps} with inner_steps={cfg.inner_steps} overlaps "
@@ -510,11 +515,19 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
+#: The key of a config file that names the shipped preset the file applies on top of.
+BASE_KEY = "preset"
+
+
+def _is_file(name_or_path: str) -> bool:
+    # A folder that happens to share a preset's name (a run's --out) does not hide the preset.
+    return name_or_path.endswith((".yaml", ".yml")) or Path(name_or_path).is_file()
+
+
 def load_preset(name_or_path: str) -> dict[str, Any]:
     """A preset by name (shipped with the package) or a YAML file path, as dotted keys."""
-    path = Path(name_or_path)
-    # A folder that happens to share a preset's name (a run's --out) does not hide the preset.
-    if name_or_path.endswith((".yaml", ".yml")) or path.is_file():
+    if _is_file(name_or_path):
+        path = Path(name_or_path)
         if not path.is_file():
             raise ConfigError(f"preset file {name_or_path!r} does not exist")
         text = path.read_text()
@@ -529,33 +542,75 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
         raise ConfigError(f"preset {name_or_path!r} is not valid YAML: {err}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"preset {name_or_path!r} must be a mapping of keys to values")
-    values = flatten(tree)
-    return {**values, **predated(values)}  # a run's config.yaml retrains as it ran
+    return flatten(tree)
+
+
+def preset_layers(name_or_path: str) -> list[tuple[str, dict[str, Any]]]:
+    """What a run of `isoloco train PRESET|FILE` resolves from, base first, as (name, dotted
+    keys): a shipped preset alone; a file on top of the shipped preset its `preset:` key names,
+    `DEFAULT_PRESET` if none, as key=value items apply on top of it (a file and the same keys
+    typed as items give the same run)."""
+    values = load_preset(name_or_path)
+    if not _is_file(name_or_path):
+        return [(name_or_path, values)]
+    base = values.pop(BASE_KEY, DEFAULT_PRESET)
+    if base not in preset_names():
+        raise ConfigError(f"{BASE_KEY}: {base!r} in {name_or_path} is not a shipped preset: choose one of "
+                          f"{', '.join(preset_names())} (the file applies on top of it; {DEFAULT_PRESET} if the "
+                          f"file names none)")
+    return [(base, load_preset(base)), (name_or_path, values)]
+
+
+def preset_said(name_or_path: str | None) -> str:
+    """The preset (and file) a run of `isoloco train [PRESET|FILE]` starts from, in words."""
+    if name_or_path is None:
+        return f"preset {DEFAULT_PRESET} (the default)"
+    (base, _), *file = preset_layers(name_or_path)
+    return f"{name_or_path} on preset {base}" if file else f"preset {base}"
 
 
 def resolve(preset: str | None, overrides: dict[str, Any]) -> TrainConfig:
     """Build and validate the full config (see the module docstring for the order)."""
-    preset_values = load_preset(preset) if preset else {}
-    per_method = preset_values.pop("per_method", {}) or {}
-    sweep_only = {k for k in preset_values if k.startswith("sweep.")}
-    for key in sweep_only:
-        preset_values.pop(key)
-    method = overrides.get("method", preset_values.get("method", TrainConfig.method))
+    layers = preset_layers(preset) if preset else []
+    for _, values in layers:
+        for key in [k for k in values if k.startswith("sweep.")]:
+            values.pop(key)
+    per_methods = [values.pop("per_method", {}) or {} for _, values in layers]
+    method = overrides.get("method", next((values["method"] for _, values in reversed(layers) if "method" in values),
+                                          TrainConfig.method))
     check_choice("method", method, METHODS)
     cfg = TrainConfig()
     apply_values(cfg, METHODS[method])
-    apply_values(cfg, preset_values)
-    apply_values(cfg, flatten(per_method.get(method, {}) or {}))
+    # What the user wrote: the overrides, and a file's keys off the defaults (a file may write every
+    # key: a run's config.yaml). A shipped preset's keys serve every method, so one a method ignores
+    # is not the user's doing.
+    written: dict[str, Any] = {}
+    for (name, values), per_method in zip(layers, per_methods):
+        values = {**values, **flatten(per_method.get(method, {}) or {})}
+        apply_values(cfg, {**values, **predated(values)})  # a run's config.yaml retrains as it ran
+        if _is_file(name):
+            written.update(values)
     apply_values(cfg, overrides)
     cfg.method = method
-    cfg.validate()
-    # A preset file may write every key (a run's config.yaml): only its values off the defaults count as given.
-    written = {**preset_values, **flatten(per_method.get(method, {}) or {})}
     defaults = flatten(to_dict(TrainConfig()))
-    refuse_ignored_keys(cfg, [*(key for key, value in written.items() if value != defaults.get(ALIASES.get(key, key))),
-                              *overrides])
+    given = [*(key for key, value in written.items() if value != defaults.get(ALIASES.get(key, key))), *overrides]
+    _one_model(cfg, given)
+    cfg.validate()
+    refuse_ignored_keys(cfg, given)
     check_exclude_patterns(cfg)
     return cfg
+
+
+def _one_model(cfg: TrainConfig, given: list[str]) -> None:
+    """The data-parallel baseline trains one model: refuse more workers given for it, and record
+    the one it trains, whatever a preset or the default says."""
+    if cfg.algorithm != "dp":
+        return
+    if "workers" in given and cfg.workers != 1:
+        raise ConfigError(f"workers={cfg.workers} is ignored with algorithm=dp (method={cfg.method}): the "
+                          "data-parallel baseline trains one model on the global batch; drop workers, or choose a "
+                          "DiLoCo method (e.g. method=diloco)")
+    cfg.workers = 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -645,23 +700,25 @@ def _meant(pattern: str, names: list[str]) -> str:
             "'*.mlp.*')")
 
 
-#: Keys that act only under one value of another key: key -> (that key, that value). Given
-#: without it, such a key would be ignored (`refuse_ignored_keys`); a report's labels leave it
-#: out of the runs it does not act in.
-ACTS_ONLY_WITH = {"merge.compress_rank": ("merge.compress", "lowrank"),
-                  "merge.compress_density": ("merge.compress", "topk"),
-                  "merge.compress_chunk": ("merge.compress", "topk"),
-                  "outer.sparse_decay": ("outer.transport", "sparseloco"),
-                  "outer.sparse_tile": ("outer.transport", "sparseloco"),
-                  "outer.sparse_topk": ("outer.transport", "sparseloco")}
+#: Keys that act only under some values of another key: key -> (that key, those values). Given
+#: without one of them, such a key would be ignored (`refuse_ignored_keys`); a report's labels
+#: leave it out of the runs it does not act in.
+ACTS_ONLY_WITH = {"merge.compress_rank": ("merge.compress", ("lowrank",)),
+                  "merge.compress_density": ("merge.compress", ("topk",)),
+                  "merge.compress_chunk": ("merge.compress", ("topk",)),
+                  "merge.exclude": ("merge.rule", tuple(name for name, rule in RULES.items() if rule.spectral)),
+                  "inner.kernel": ("inner.optimizer", ("adamw", "muon")),  # Muon steps its vectors with AdamW
+                  "outer.sparse_decay": ("outer.transport", ("sparseloco",)),
+                  "outer.sparse_tile": ("outer.transport", ("sparseloco",)),
+                  "outer.sparse_topk": ("outer.transport", ("sparseloco",))}
 
-#: Sections whose every key acts only under one value of another key: the data-parallel
+#: Sections whose every key acts only under some values of another key: the data-parallel
 #: baseline has no merge and no outer step.
-SECTION_ACTS_ONLY_WITH = {"merge.": ("algorithm", "diloco"), "outer.": ("algorithm", "diloco")}
+SECTION_ACTS_ONLY_WITH = {"merge.": ("algorithm", ("diloco",)), "outer.": ("algorithm", ("diloco",))}
 
 
-def _needs(key: str) -> list[tuple[str, Any]]:
-    """What `key` needs to act: (key, value) pairs, the section's first."""
+def _needs(key: str) -> list[tuple[str, tuple[Any, ...]]]:
+    """What `key` needs to act: (key, the values it acts under) pairs, the section's first."""
     return ([needs for section, needs in SECTION_ACTS_ONLY_WITH.items() if key.startswith(section)]
             + ([ACTS_ONLY_WITH[key]] if key in ACTS_ONLY_WITH else []))
 
@@ -669,25 +726,30 @@ def _needs(key: str) -> list[tuple[str, Any]]:
 def acts(key: str, settings: dict[str, Any]) -> bool:
     """Whether `key` acts in a run of these flat `settings` (see `ACTS_ONLY_WITH` and
     `SECTION_ACTS_ONLY_WITH`)."""
-    return all(settings.get(needs) == value for needs, value in _needs(key))
+    return all(settings.get(needs) in values for needs, values in _needs(key))
 
 
 def refuse_ignored_keys(cfg: TrainConfig, given: list[str]) -> None:
-    """Refuse a key the user gave (a preset's or an override) that `cfg` would ignore. Only
+    """Refuse a key the user gave (a file's or an override) that `cfg` would ignore. Only
     given keys count: a saved config.yaml holds every key, at its default where not given."""
     values = flatten(to_dict(cfg))
     for key in dict.fromkeys(ALIASES.get(key, key) for key in given):
-        for needs, value in _needs(key):
-            if values.get(needs) == value:
+        for needs, acting in _needs(key):
+            if values.get(needs) in acting:
                 continue
             shown = _shown(values[key]) if isinstance(values[key], list) else values[key]
             if needs == "algorithm":
                 raise ConfigError(f"{key}={shown} is ignored with algorithm={values[needs]} (method={cfg.method}): "
                                   f"the data-parallel baseline has no merge and no outer step; drop {key}, or "
                                   "choose a DiLoCo method (e.g. method=diloco)")
-            method = " (method=sparseloco sets it)" if (needs, value) == ("outer.transport", "sparseloco") else ""
+            if len(acting) == 1:
+                method = " (method=sparseloco sets it)" if needs == "outer.transport" else ""
+                only, fix = f"{needs}={acting[0]}", f"add {needs}={acting[0]}{method}"
+            else:
+                listed = f"{', '.join(map(str, acting[:-1]))} or {acting[-1]}"
+                only, fix = f"{needs}={listed}", f"set {needs} to {listed}"
             raise ConfigError(f"{key}={shown} is ignored with {needs}={values[needs]}: it applies "
-                              f"only with {needs}={value}; add {needs}={value}{method}, or drop {key}")
+                              f"only with {only}; {fix}, or drop {key}")
 
 
 #: Keys whose default changed the numerics after runs were saved: a config.yaml written before

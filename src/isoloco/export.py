@@ -12,7 +12,8 @@ from isoloco import checkpoint as ckpt
 from isoloco.config import from_dict
 from isoloco.data.config import umask_mode
 from isoloco.data.tokenizer import pretrained_tokenizer
-from isoloco.errors import CheckpointError
+from isoloco.errors import CheckpointError, UsageError
+from isoloco.fileutil import output_dir_problem
 from isoloco.model import build_model
 from isoloco.rundir import CHECKPOINT_DIR, TOKENIZER_FILE
 
@@ -26,8 +27,21 @@ def _find_checkpoint(path: Path) -> Path:
     return found[0]
 
 
-def export(path: Path, out_dir: Path) -> None:
-    """Write model weights, config and tokenizer of the checkpoint at `path` to `out_dir`."""
+def _check_out_dir(out_dir: Path, force: bool) -> None:
+    """Refuse a directory that cannot be written, or one that holds files unless `force`, as
+    `isoloco train --out` does, before reading the checkpoint."""
+    problem = output_dir_problem(out_dir)
+    if problem:
+        raise UsageError(f"{out_dir} {problem}; choose another output directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise UsageError(f"{out_dir} already exists and is not empty: pass --force to write the model into it "
+                         "(replacing the files of the same names), or choose another output directory")
+
+
+def export(path: Path, out_dir: Path, force: bool) -> None:
+    """Write model weights, config and tokenizer of the checkpoint at `path` to `out_dir`
+    (which may hold files already only with `force`)."""
+    _check_out_dir(out_dir, force)
     checkpoint = _find_checkpoint(path)
     state = ckpt.verify(checkpoint)
     cfg = from_dict(state["config"])
