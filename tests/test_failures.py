@@ -270,6 +270,7 @@ def test_drop_is_refused_with_several_processes(method):
 
     from isoloco.algorithms import build_algorithm
 
-    cfg = resolve(None, {**parse_overrides(RUN), "method": method, "on_bad_worker": "drop"})
+    workers = 1 if method == "dp" else 2  # dp trains one model and refuses more
+    cfg = resolve(None, {**parse_overrides(RUN), "method": method, "workers": workers, "on_bad_worker": "drop"})
     with pytest.raises(ConfigError, match="on_bad_worker=drop works in a single process only"):
         build_algorithm(cfg, [], SimpleNamespace(world_size=2), None, torch.device("cpu"), torch.device("cpu"))

@@ -211,7 +211,8 @@ def test_bad_overlap_settings_are_refused_before_training(overrides, words):
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_trains_to_a_finite_loss(tmp_path, method):
-    trainer = train(tmp_path, method, method=method, workers=2, inner_steps=3, steps=6)
+    workers = 1 if METHODS[method]["algorithm"] == "dp" else 2  # dp trains one model and refuses more
+    trainer = train(tmp_path, method, method=method, workers=workers, inner_steps=3, steps=6)
     assert trainer.last_val_loss is not None and torch.isfinite(torch.tensor(trainer.last_val_loss))
     lines = (tmp_path / method / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 7))

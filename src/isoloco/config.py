@@ -594,8 +594,8 @@ def resolve(preset: str | None, overrides: dict[str, Any]) -> TrainConfig:
     cfg.method = method
     defaults = flatten(to_dict(TrainConfig()))
     given = [*(key for key, value in written.items() if value != defaults.get(ALIASES.get(key, key))), *overrides]
-    _one_model(cfg, given)
     cfg.validate()
+    _one_model(cfg, given)
     refuse_ignored_keys(cfg, given)
     check_exclude_patterns(cfg)
     return cfg
