@@ -108,12 +108,12 @@ class IslandJob:
 
 
 def run_items(model: str, islands: int, processes: int, inner_steps: int, rounds: int, tau: int,
-              setting: str) -> list[str]:
+              setting: str, global_batch: int = 16, seq_len: int = 64) -> list[str]:
     """The run of one case: `model` on the embedded corpus, one worker per island."""
     method = [] if any(item.startswith("method=") for item in SETTINGS[setting]) else ["method=isoloco"]
     steps = rounds * inner_steps
     return ["quick", *method, f"model={model}", f"workers={islands}", f"dist.gpus_per_worker={processes}",
-            "global_batch=16", "seq_len=64", f"steps={steps}", f"inner_steps={inner_steps}", f"eval_every={steps}",
+            f"global_batch={global_batch}", f"seq_len={seq_len}", f"steps={steps}", f"inner_steps={inner_steps}", f"eval_every={steps}",
             "checkpoint_every=0", "data.val_tokens=1024", "device=cpu", "dist.backend=gloo", "dist.timeout_s=300",
             f"outer.overlap_steps={tau}", *SETTINGS[setting]]
 
@@ -149,13 +149,13 @@ def median_range(values: list[float], fmt: str) -> str:
 
 
 def tables(results: dict[Case, list[dict[str, float]]], islands: int, processes: int, model: str,
-           inner_steps: int) -> list[Table]:
+           inner_steps: int, batch: str) -> list[Table]:
     """One table per rate: every setting and τ, measured beside predicted."""
     out = []
     rates = sorted({case.rate_mbit for case in results if case.rate_mbit is not None})
     for rate in rates:
         table = Table(f"The real link at {rate:g} Mbit/s: `{model}`, {islands} islands of {processes} process"
-                      f"{'es' if processes > 1 else ''}, H = {inner_steps}",
+                      f"{'es' if processes > 1 else ''}, H = {inner_steps}, {batch}",
                       ["setting", "τ", "round s", "exposed s", "beyond compute s", "sync s", "model sync s",
                        "sync off", "model round s", "kernel bytes / sync", "reported bytes / sync", "bytes off"])
         for case in sorted((c for c in results if c.rate_mbit == rate), key=lambda c: (list(SETTINGS).index(c.setting),
@@ -209,6 +209,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                            "run of each case is added as the compute reference")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"of {', '.join(SETTINGS)}")
     ap.add_argument("--inner-steps", type=int, default=12, help="H")
+    ap.add_argument("--global-batch", type=int, default=16, help="sequences per step, all islands together")
+    ap.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     ap.add_argument("--taus", default=None, help="overlap τ values (default: 0 and H/6)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds per run (the first and last are not steady)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 for island in range(args.islands):
                     net.shape(island, case.rate_mbit)
                 items = run_items(args.model, args.islands, args.processes, args.inner_steps, args.rounds, case.tau,
-                                  case.setting)
+                                  case.setting, args.global_batch, args.seq_len)
                 port = PORT_BASE + (port - PORT_BASE + 1) % 200
                 job = IslandJob(net, Path(root) / f"{repeat}-{index}", items, args.processes, port)
                 figures = measure_run(net, job)
@@ -263,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{figures['round_s']:.2f} s, exposed {figures['sync_exposed_s']:.2f} s", file=sys.stderr,
                       flush=True)
     load = os.getloadavg()[0]
-    made = tables(results, args.islands, args.processes, args.model, args.inner_steps)
+    made = tables(results, args.islands, args.processes, args.model, args.inner_steps,
+                  f"{args.global_batch} × {args.seq_len} tokens a step")
     text = "\n\n".join(table.markdown() for table in made)
     text += (f"\n\n`python -m isoloco.bench.reallink {' '.join(argv if argv is not None else sys.argv[1:])}`; "
              f"load average {load:.2f} at the end.\n")
