@@ -176,6 +176,7 @@ class Trainer:
         self.step = 0
         self.elapsed = 0.0
         self.cpu_seconds = 0.0  # this process's CPU time in rounds, summed over resumes
+        self.compute_s = 0.0  # wall seconds of the round's inner steps, without synchronisation
         # The run's slow link, summed over rounds and resumes for summary.json (`_count_sync`).
         self.cross_island_wire_bytes = 0.0
         self.exposed_sync_s = 0.0
@@ -210,9 +211,11 @@ class Trainer:
         losses = torch.zeros(self.cfg.steps_taken(worker.index, end - start), device=self.device)
         for step in range(start, start + len(losses)):
             self.algorithm.before_step(worker, step - start)
+            began = time.perf_counter()
             losses[step - start] = self._forward_backward(self.algorithm.rows(step, worker))
             self.dist.average_gradients(self.params)
             worker.optimizer.step(step)
+            self.compute_s += time.perf_counter() - began
             self.bar.update()
             self._step_progress(worker, step)
         self.algorithm.end_turn(worker)
@@ -435,6 +438,7 @@ class Trainer:
     def _timed_round(self, start: int, end: int) -> tuple[list[float], float]:
         """Train one round; its per-step losses and wall seconds (CPU time is summed too)."""
         began, began_cpu = time.perf_counter(), time.process_time()
+        self.compute_s = 0.0
         losses = self.train_round(start, end).tolist()
         seconds = time.perf_counter() - began
         self.elapsed += seconds
@@ -472,7 +476,7 @@ class Trainer:
         """One metrics line per step; the round's last carries `extra`, its wall time and its
         throughput (steps are timed as a round: workers take turns, then merge)."""
         trained = self.cfg.tokens_trained(end - start, end - start)
-        extra = {**extra, "wall_time_s": self.elapsed, "tokens_per_s": trained / seconds}
+        extra = {**extra, "wall_time_s": self.elapsed, "compute_s": self.compute_s, "tokens_per_s": trained / seconds}
         if self.spectra is not None:
             extra[SPECTRA_KEY] = self.spectra.take_records()
         for i, step in enumerate(range(start, end)):
@@ -482,6 +486,8 @@ class Trainer:
             log.write({**record, **extra} if step + 1 == end else record)
         self.tokens_trained += trained
         shown = {"loss": f"{losses[-1]:.3f}", "tok_s": f"{extra['tokens_per_s']:,.0f}"}
+        if extra.get("synchronisations"):  # on a slow link, what the round waited for it
+            shown["sync_s"] = f"{extra['sync_exposed_s']:.2f}"
         if "val_loss" in extra:
             shown["val"] = f"{self.last_val_loss:.3f}"
         if self.progress and self.bar.disable:  # no terminal to draw the bar on

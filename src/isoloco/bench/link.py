@@ -100,7 +100,8 @@ def steady_rounds(metrics: list[dict]) -> dict[str, float]:
     seconds = [b["wall_time_s"] - a["wall_time_s"] for a, b in zip(rounds, rounds[1:])]
     steady = rounds[1:-1]
     figures = {key: statistics.median(line[key] for line in steady)
-               for key in ("sync_s", "sync_exposed_s", "wire_bytes_cross_island", "collectives_cross_island")}
+               for key in ("sync_s", "sync_exposed_s", "wire_bytes_cross_island", "collectives_cross_island",
+                           "compute_s") if key in steady[0]}
     return {"round_s": statistics.median(seconds[:-1]), **figures}
 
 

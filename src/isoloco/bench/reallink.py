@@ -18,11 +18,13 @@ and the tables give the median and range. Per run, from rank 0's metrics lines o
 rounds (all but the first and the last, as `isoloco.bench.link`): seconds per round, `sync_s`
 and `sync_exposed_s`; and the kernel's count of the bytes TCP carried out of each island
 (headers taken off), per process per synchronisation, beside the run's own `wire_bytes_cross_island`
-(the cost model's count). The same case on an unshaped link gives the compute a round would take
-on a link of no cost (its round less its exposed synchronisation): what a round takes beyond it
-on the slow link is set beside the exposed seconds the run reports. The cost model's seconds
-for a synchronisation are its wire bytes at the rate (`isoloco.sync.cost.Link`, no latency), and
-its round is that compute plus what of those seconds the τ overlapped steps do not hide.
+(the cost model's count). What a round takes beyond its inner steps' seconds (the run's
+`compute_s`) is set beside the exposed seconds the run reports: the two should agree. The same
+case on an unshaped link gives the compute of a round on a link of no cost (its round less its
+exposed seconds) and the merge's own compute (its `sync_s`). The model's synchronisation is that
+merge compute plus the wire bytes at the rate with TCP's headers (`isoloco.sync.cost.Link` with
+`TCP_FRAMING`, no latency); its round is the compute plus what of that the τ overlapped steps do
+not hide.
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def tables(results: dict[Case, list[dict[str, float]]], islands: int, processes:
             sync = statistics.median(r["sync_s"] for r in runs)
             table.add(case.setting, str(case.tau), median_range([r["round_s"] for r in runs], ".2f"),
                       median_range([r["sync_exposed_s"] for r in runs], ".2f"),
-                      median_range([r["round_s"] - compute for r in runs], ".2f") if compute is not None else "—",
+                      median_range([r["round_s"] - r["compute_s"] for r in runs], ".2f"),
                       median_range([r["sync_s"] for r in runs], ".2f"), f"{model_sync:.2f}",
                       f"{(sync - model_sync) / model_sync:+.0%}",
                       f"{compute + max(0.0, model_sync - hidden):.2f}" if compute is not None else "—",
@@ -183,7 +185,7 @@ def tables(results: dict[Case, list[dict[str, float]]], islands: int, processes:
         table.notes.append(
             "Median (range) over the repeats of the steady rounds' medians. round s: wall seconds per round; exposed "
             "s: the synchronisation seconds the run reports training waited for; beyond compute s: round s less the "
-            "compute of a round (the same case on an unshaped link: its round less its exposed seconds); sync s: "
+            "seconds its inner steps took (the run's compute_s), which the exposed seconds should account for; sync s: "
             "the synchronisation's seconds from start to end. model sync s: the merge's own compute (the unshaped "
             "run's sync s) plus the cost model's seconds for the reported wire bytes at this rate, TCP's headers "
             "charged (`isoloco.sync.cost.TCP_FRAMING`) and no latency (no delay is added to the link); sync off: "
