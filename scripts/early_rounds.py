@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from isoloco import merge
+from isoloco import merge_functions
 from isoloco.ortho import IsoSettings
 from isoloco.bench.workload import trained_deltas
 
@@ -29,7 +29,7 @@ SETTINGS = {
 
 def spectrum_row(mean: torch.Tensor) -> tuple[float, float, float]:
     sigma = torch.linalg.svdvals(mean)
-    iso = merge.iso_c([mean], IsoSettings(ortho="svd"))
+    iso = merge_functions.iso_c([mean], IsoSettings(ortho="svd"))
     return ((sigma[0] / sigma.mean()).item(), (sigma[0] ** 2 / sigma.square().sum()).item(),
             (iso.norm() / mean.norm()).item())
 

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from isoloco import merge, rules
+from isoloco import merge_functions, rules
 from isoloco.ortho import IsoSettings
 from isoloco.bench.workload import trained_deltas
 
@@ -91,12 +91,12 @@ def main() -> None:
         deltas = real_deltas(workers, args.rounds, args.seed)
         matrices = [d for d in deltas.values() if d[0].ndim == 2]
         everything = list(deltas.values())
-        cts_now = [merge.iso_cts(d) for d in matrices]
+        cts_now = [merge_functions.iso_cts(d) for d in matrices]
         zero_sums = sum(int((torch.stack([rules.trim(x, 0.9) for x in d]).sum(0) == 0).sum()) for d in everything)
         entries = sum(d[0].numel() for d in everything)
         print(f"| {workers} | {relative([iso_cts_before(d) for d in matrices], cts_now):.2%} "
-              f"| {relative([merge.iso_c(d, IsoSettings(ortho='svd')) for d in matrices], [iso_c_theirs(d) for d in matrices]):.1e} "
-              f"| {relative([merge.ties(d) for d in everything], [ties_theirs(d) for d in everything]):.1e} "
+              f"| {relative([merge_functions.iso_c(d, IsoSettings(ortho='svd')) for d in matrices], [iso_c_theirs(d) for d in matrices]):.1e} "
+              f"| {relative([merge_functions.ties(d) for d in everything], [ties_theirs(d) for d in everything]):.1e} "
               f"| {zero_sums} of {entries} "
               f"| {dare_count_deviation(matrices):.2%} |")
 

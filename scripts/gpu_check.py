@@ -470,7 +470,8 @@ def host_waits(mode: str, device: str) -> Iterator[None]:
 def sync_free_stages(setting: Setting) -> list[Row]:
     """Each merge's stages under CUDA's sync debug mode "error" (check 14)."""
     from isoloco.comm import LocalCommunicator
-    from isoloco.merge import MergeConfig, Merger
+    from isoloco.merge import Merger
+    from isoloco.merge_config import MergeConfig
     from isoloco.sync.handles import Sync, run_to_end
     from isoloco.sync.sparseloco import Tiling, sparseloco_mean
 

@@ -24,7 +24,7 @@ import argparse
 
 import torch
 
-from isoloco import merge, rules
+from isoloco import merge_config, merge_functions, rules
 from fidelity_effects import real_deltas, relative
 
 
@@ -34,7 +34,7 @@ def factor_rows(workers: list[int], power_iters: list[int], finder_dtypes: list[
     print("|---|---|---|---|---|---|---|")
     for count in workers:
         matrices = [d for d in real_deltas(count, 2, seed).values() if d[0].ndim == 2]
-        exact = {rule: [rule(d, factors="exact") for d in matrices] for rule in (merge.tsv, merge.iso_cts)}
+        exact = {rule: [rule(d, factors="exact") for d in matrices] for rule in (merge_functions.tsv, merge_functions.iso_cts)}
         for iters in power_iters:
             for dtype in finder_dtypes:
                 settings = dict(power_iters=iters, finder_dtype=dtype)
@@ -58,7 +58,7 @@ def dare_rows(workers: list[int], seed: int, draws: int, drop_rate: float = 0.1)
                 kept += int(rules.keep_mask(key, 0, numel, 1 - drop_rate, torch.device("cpu")).sum())
                 total += numel
             stacked = torch.stack(ds).double()
-            average = sum(merge.dare(stacked.unbind(0), drop_rate, seed=s) for s in range(draws)) / draws
+            average = sum(merge_functions.dare(stacked.unbind(0), drop_rate, seed=s) for s in range(draws)) / draws
             # Each entry's estimator has variance Σ_r Δ_r² · p/(1−p) / R²; its mean over the draws 1/draws of it.
             variance = stacked.pow(2).sum(0) * drop_rate / (1 - drop_rate) / count**2 / draws
             spread = variance > 0
@@ -70,7 +70,7 @@ def dare_rows(workers: list[int], seed: int, draws: int, drop_rate: float = 0.1)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="2,4,8,16", help="values of R, comma-separated")
-    parser.add_argument("--power-iters", default=str(merge.MergeConfig.power_iters),
+    parser.add_argument("--power-iters", default=str(merge_config.MergeConfig.power_iters),
                         help="the range finder's subspace iterations (merge.power_iters), comma-separated")
     parser.add_argument("--finder-dtypes", default="bfloat16,float32",
                         help="precisions of the early iterations (merge.finder_dtype), comma-separated")

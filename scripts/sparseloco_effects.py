@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from sparseloco_reference import ref_round  # noqa: E402  (tests/, the oracle the suite checks against)
 from isoloco.bench.workload import parameter_shapes, trained_deltas  # noqa: E402
 from isoloco.comm import LocalCommunicator  # noqa: E402
-from isoloco.merge import MergeConfig  # noqa: E402
+from isoloco.merge_config import MergeConfig  # noqa: E402
 from isoloco.outer import OuterConfig, OuterStep  # noqa: E402
 from isoloco.sync.sparseloco import HEADER_FLOATS, Tiling  # noqa: E402
 

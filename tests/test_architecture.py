@@ -14,7 +14,7 @@ LAYERS = [
     ("numerics, data, state", {"isoloco.ortho", "isoloco.model", "isoloco.inner", "isoloco.data.*",
                                "isoloco.watchdog", "isoloco.checkpoint"}),
     ("sync layer", {"isoloco.comm", "isoloco.sync.*"}),
-    ("merge rules", {"isoloco.rules", "isoloco.merge"}),
+    ("merge rules", {"isoloco.rules", "isoloco.merge_config", "isoloco.merge", "isoloco.merge_functions"}),
     ("outer step", {"isoloco.outer", "isoloco.spectra"}),
     ("processes and run config", {"isoloco.layout", "isoloco.torch_comm", "isoloco.distributed",
                                   "isoloco.sharded_checkpoint", "isoloco.config"}),

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from isoloco.config import TrainConfig, apply_values, to_dict
-from isoloco.merge import MergeConfig, wire_bytes_per_merge
+from isoloco.merge_config import MergeConfig
+from isoloco.sync.slowlink import mean_wire_bytes
 from isoloco.outer import OuterConfig
 from isoloco.sync import sparseloco
 
@@ -96,7 +97,7 @@ def test_a_settings_row_counts_its_own_runs_and_takes_its_own_tests(frontier, tm
     assert compressed["to_exact"] == "[+9.00%, +11.00%] fail"  # R = 8's row, not R = 16's
     names, shapes = zip(*frontier.parameter_shapes("tiny"))
     sent = MergeConfig(compress="lowrank", compress_rank=4, quantize="int8", error_feedback=True)
-    modelled = wire_bytes_per_merge(shapes, sent, 8, names)
+    modelled = mean_wire_bytes(shapes, sent.lossy_compression, sent.bucket_bytes, 8, names)
     assert compressed["bytes"] == pytest.approx((2 * modelled + 1000.0) / 3)  # a recorded figure beats the model
     assert rows["float32"]["mid_run"] == "0" and rows["float32"]["ratio"] == pytest.approx(1.0)
 
@@ -158,8 +159,8 @@ def test_sparseloco_is_held_against_dilocos_exact_runs_and_its_iso_c_against_it(
     names, shapes = zip(*frontier.parameter_shapes("tiny"))
     tiling = OuterConfig(transport="sparseloco").tiling
     assert rows["sparseloco"]["compressor"] == "sparseloco"
-    assert rows["sparseloco"]["bytes"] == sparseloco.wire_bytes_per_merge(shapes, tiling, 8)
-    assert rows["sparseloco"]["ratio"] == pytest.approx(wire_bytes_per_merge(shapes, MergeConfig(), 8) /
+    assert rows["sparseloco"]["bytes"] == sparseloco.sparseloco_wire_bytes(shapes, tiling, 8)
+    assert rows["sparseloco"]["ratio"] == pytest.approx(mean_wire_bytes(shapes, None, MergeConfig().bucket_bytes, 8) /
                                                         rows["sparseloco"]["bytes"])
     matched = "\n".join(frontier.matched_bytes(list(rows.values())))
     assert "| 8 | sparseloco_isoc, SparseLoCo top-64 of 64×64 tiles" in matched

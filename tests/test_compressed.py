@@ -5,7 +5,7 @@ all-to-all and an all-gather (threads standing in for processes)."""
 import pytest
 import torch
 
-from isoloco import merge
+from isoloco import merge, merge_config
 from isoloco.comm import LocalCommunicator
 from isoloco.sync.codec import Quantization, dequantize, error_bound, quantize
 from isoloco.sync.compressed import ChunkPlan, choose_route
@@ -67,12 +67,12 @@ def test_the_reference_sum_is_within_its_bound_of_the_float64_sum(fmt, route):
         assert error.max() < 1e-5
 
 
-def island_mergers(cfg: merge.MergeConfig, islands: int, workers: int, seed: int = 0) -> list[merge.Merger]:
+def island_mergers(cfg: merge_config.MergeConfig, islands: int, workers: int, seed: int = 0) -> list[merge.Merger]:
     """One merger per simulated process of `islands`, of workers / islands workers each."""
     return [merge.Merger(cfg, comm, seed) for comm in ProcessGroup(islands).communicators(workers // islands)]
 
 
-def run_islands(cfg: merge.MergeConfig, deltas: dict[str, list[torch.Tensor]], islands: int,
+def run_islands(cfg: merge_config.MergeConfig, deltas: dict[str, list[torch.Tensor]], islands: int,
                 residuals: dict[str, list[torch.Tensor]] | None = None, mergers: list[merge.Merger] | None = None,
                 round: int = 0) -> list[dict[str, torch.Tensor]]:
     """Merge `deltas` (R per parameter) on `islands` simulated processes of R / islands workers
@@ -100,7 +100,7 @@ def test_every_layout_is_within_the_bound_of_the_float64_sum(fmt, islands, per_i
     q = Quantization(fmt)
     workers = islands * per_island
     deltas = deltas_of(workers, seed=islands * 10 + per_island)
-    results = run_islands(merge.MergeConfig(rule="mean", quantize=fmt), deltas, islands)
+    results = run_islands(merge_config.MergeConfig(rule="mean", quantize=fmt), deltas, islands)
     route = choose_route(islands)
     for name, ds in deltas.items():
         sums = islands_of(ds, per_island)
@@ -116,8 +116,8 @@ def test_the_simulator_plays_every_worker_as_an_island(fmt):
     """One process of R workers gives the bits of R islands of one worker each."""
     q = Quantization(fmt)
     deltas = deltas_of(4, seed=7)
-    simulated = merge.Merger(merge.MergeConfig(rule="mean", quantize=fmt), LocalCommunicator(4), 0).merge_all(deltas)
-    spread = run_islands(merge.MergeConfig(rule="mean", quantize=fmt), deltas, 4)
+    simulated = merge.Merger(merge_config.MergeConfig(rule="mean", quantize=fmt), LocalCommunicator(4), 0).merge_all(deltas)
+    spread = run_islands(merge_config.MergeConfig(rule="mean", quantize=fmt), deltas, 4)
     for name, ds in deltas.items():
         assert torch.equal(simulated[name], spread[0][name]), name
         summed = simulated[name].double() * 4
@@ -127,7 +127,7 @@ def test_the_simulator_plays_every_worker_as_an_island(fmt):
 def test_error_feedback_keeps_each_islands_loss_with_its_first_worker():
     """Over rounds, what the merge delivered adds up to what the workers meant minus the islands'
     residuals; an island's residual lives with its first worker, the others stay zero."""
-    cfg = merge.MergeConfig(rule="mean", quantize="int4", error_feedback=True)
+    cfg = merge_config.MergeConfig(rule="mean", quantize="int4", error_feedback=True)
     residuals = {name: [torch.zeros(shape) for _ in range(4)] for name, shape in SHAPES.items()}
     meant = delivered = 0
     for t in range(6):

@@ -849,7 +849,7 @@ def test_low_rank_and_top_k_give_every_split_of_an_island_the_same_bits(many_isl
     """Over two rounds (warm start, residuals), islands of G = 1, 2 and 3 gloo processes end
     with the bits of the same islands played by one thread each (the split of an island's
     traffic, and for top-k its all-gather of slices inside the island, change nothing)."""
-    from isoloco.merge import MergeConfig
+    from isoloco.merge_config import MergeConfig
     from test_compressed import island_mergers, run_islands
 
     processes, workers = MANY_ISLANDS["processes"], MANY_ISLANDS["workers"]

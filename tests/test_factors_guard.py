@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from isoloco import merge, rules
+from isoloco import merge, merge_config, merge_functions, rules
+from isoloco.comm import LocalCommunicator
 from isoloco.ortho import FACTOR_PATHS, FINDER_TOLERANCE, FactorSettings, gram_svd, top_factors
 from helpers import SMALL_ARGS
 from test_merge import reference_iso_cts, reference_tsv
@@ -56,7 +57,7 @@ def test_auto_stays_within_the_bar_on_flat_spectra(case, rule):
     the guard falls back to the exact factors, so auto is exact and the float64 definition
     to well within the bar."""
     deltas = CASES[case]()
-    merged = {factors: getattr(merge, rule)(deltas, factors=factors) for factors in ("auto", "exact", "randomized")}
+    merged = {factors: getattr(merge_functions, rule)(deltas, factors=factors) for factors in ("auto", "exact", "randomized")}
     assert relative(merged["auto"], merged["exact"]) < BAR
     assert relative(merged["auto"], reference(rule, deltas)) < BAR
     if deltas[0].shape == (256, 256):  # the finder is taken there: show that the guard mattered
@@ -120,7 +121,7 @@ def test_a_rank_below_k_is_handled_by_the_guard():
     g = torch.Generator().manual_seed(3)
     deltas = [torch.randn(160, 3, generator=g) @ torch.randn(3, 128, generator=g) for _ in range(16)]
     for rule in ("tsv", "iso_cts"):
-        auto, exact = (getattr(merge, rule)(deltas, factors=factors) for factors in ("auto", "exact"))
+        auto, exact = (getattr(merge_functions, rule)(deltas, factors=factors) for factors in ("auto", "exact"))
         assert relative(auto, exact) < BAR, rule
 
 
@@ -181,7 +182,7 @@ def test_the_gram_route_gives_the_top_k_of_the_float64_svd(shape):
 def test_the_merger_counts_the_path_of_every_workers_factors(rule):
     """One count per worker and matrix, under the path it took; cleared by whoever reads it."""
     deltas = shared_signal_under_noise((128, 320), 16)
-    merger = merge.Merger(merge.MergeConfig(rule=rule), merge.LocalCommunicator(16), seed=0)
+    merger = merge.Merger(merge_config.MergeConfig(rule=rule), LocalCommunicator(16), seed=0)
     merger.merge_all({"a": deltas, "b": [d[:, :128] for d in deltas]})
     assert sum(merger.factor_paths.values()) == 2 * 16
     assert set(merger.factor_paths) <= set(FACTOR_PATHS)

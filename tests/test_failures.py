@@ -198,7 +198,7 @@ def test_dropped_round_equals_merging_the_other_workers(tmp_path):
     before = [p.detach().clone() for p in trainer.global_params]
     trainer.run()
     assert captured["ids"] == [0, 2, 3]
-    from isoloco.merge import ties
+    from isoloco.merge_functions import ties
     lr = trainer.cfg.outer.lr
     for (name, _), old, new in zip(trainer.named_params, before, trainer.global_params):
         arrived = [captured["deltas"][name][i] for i in captured["ids"]]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import SMALL_ARGS
-from isoloco import merge, ortho
+from isoloco import merge_config, merge_functions, ortho
 from isoloco.cli import main
 from isoloco.ortho import FactorSettings, fast_bfloat16, full_float32_matmuls
 
@@ -29,7 +29,7 @@ def test_auto_never_counts_a_cpu_as_native_bfloat16():
 @pytest.mark.parametrize("rule, factors, recorded", [("tsv", "auto", "float32"), ("iso_cts", "randomized", "float32"),
                                                      ("tsv", "exact", None), ("iso_c", "auto", None)])
 def test_only_rules_that_run_the_finder_report_its_precision(rule, factors, recorded):
-    assert merge.MergeConfig(rule=rule, factors=factors).finder_precision(CPU) == recorded
+    assert merge_config.MergeConfig(rule=rule, factors=factors).finder_precision(CPU) == recorded
 
 
 def run_dir_records(run) -> tuple[dict, list[dict]]:
@@ -86,7 +86,7 @@ def test_the_merge_pins_full_float32_matmuls_and_restores_the_hosts_setting(monk
         svd = ortho._svd
         monkeypatch.setattr(ortho, "_svd", lambda matrix: (seen.append(settings()), svd(matrix))[1])
         seen.clear()
-        merge.tsv([torch.randn(64, 48, generator=torch.Generator().manual_seed(i)) for i in range(4)])
+        merge_functions.tsv([torch.randn(64, 48, generator=torch.Generator().manual_seed(i)) for i in range(4)])
         assert seen and all(inside == ["ieee", "ieee"] for inside in seen)
         assert settings() == ["tf32", "bf16"]
     finally:

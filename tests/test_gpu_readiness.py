@@ -47,7 +47,7 @@ def test_the_merge_holds_one_parameter_of_fetched_deltas_at_a_time(rule):
     import weakref
 
     from isoloco.comm import LocalCommunicator
-    from isoloco.merge import MergeConfig
+    from isoloco.merge_config import MergeConfig
     from isoloco.outer import OuterConfig, OuterStep
 
     workers, shapes = 4, {"embed": (96, 16), "attn": (16, 16), "norm": (16,), "head": (96, 16)}
@@ -131,7 +131,8 @@ def test_exact_orthogonalisation_on_the_gpu_matches_the_cpu(method):
 @pytest.mark.cuda
 def test_dare_masks_on_the_gpu_are_the_cpu_masks():
     from isoloco.comm import LocalCommunicator
-    from isoloco.merge import MergeConfig, Merger
+    from isoloco.merge import Merger
+    from isoloco.merge_config import MergeConfig
 
     g = torch.Generator().manual_seed(0)
     deltas = [torch.randn(32, 16, generator=g) for _ in range(3)]

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from isoloco.comm import LINK_COUNTS, LocalCommunicator
-from isoloco.merge import MergeConfig, Merger, Participation, wire_bytes_per_merge
+from isoloco.merge import Merger
+from isoloco.merge_config import MergeConfig, Participation
+from isoloco.sync.slowlink import mean_wire_bytes
 from isoloco.sync.codec import Quantization, shard_ranges
 from isoloco.sync.compressed import choose_route
 from isoloco.sync.handles import Sync, run_to_end
@@ -411,7 +413,7 @@ def test_the_plan_counts_the_stages_run_and_the_bytes_measured(case, islands, sl
     """Islands of one or two thread-processes, every tensor in one bucket or each in its own (a
     bucket of top-k or low-rank matrices alone): the merge yields exactly the stages it
     announced, each waiting on a collective, and the bytes measured on the slow link, averaged
-    over the processes, are the cost model's (`wire_bytes_per_merge`, with compress_exclude)."""
+    over the processes, are the cost model's (`mean_wire_bytes`, with compress_exclude)."""
     cfg = MergeConfig(rule="mean", error_feedback=True, bucket_mb=bucket_mb, **PLANNED[case])
     comms = ProcessGroup(islands * slices).communicators(1, slices)
     deltas, residuals = round_deltas(islands, 0), zeros(islands)
@@ -430,7 +432,7 @@ def test_the_plan_counts_the_stages_run_and_the_bytes_measured(case, islands, sl
     for rank in range(len(comms)):
         assert len(run[rank]) == announced[rank] and all(run[rank]), (rank, announced[rank], run[rank])
     shapes, names = [torch.Size(shape) for shape in SHAPES.values()], list(SHAPES)
-    modelled = wire_bytes_per_merge(shapes, cfg, islands, names, slices)
+    modelled = mean_wire_bytes(shapes, cfg.lossy_compression, cfg.bucket_bytes, islands, names, slices)
     assert sum(measured) / len(measured) == pytest.approx(modelled, rel=1e-12), (measured, modelled)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft.utils import merge_utils
 
-from isoloco import merge, rules
+from isoloco import merge, merge_config, merge_functions, rules
 from isoloco.comm import Communicator, LocalCommunicator
 from isoloco.errors import ConfigError, NonFiniteDeltaError
 from isoloco.ortho import IsoSettings
@@ -36,7 +36,7 @@ def projector(vectors: torch.Tensor) -> torch.Tensor:
 
 
 def merger(rule: str, workers: int, seed: int = 0, **knobs) -> merge.Merger:
-    return merge.Merger(merge.MergeConfig(rule=rule, **knobs), LocalCommunicator(workers), seed)
+    return merge.Merger(merge_config.MergeConfig(rule=rule, **knobs), LocalCommunicator(workers), seed)
 
 
 # ----------------------------------------------------------------- definitions of the rules
@@ -47,7 +47,7 @@ def test_iso_c_flattens_the_spectrum_of_the_mean(shape):
     deltas = make_deltas(4, shape, dtype=torch.float64)
     mean = torch.stack(deltas).mean(0)
     u, s, vh = torch.linalg.svd(mean, full_matrices=False)
-    result = merge.iso_c(deltas)
+    result = merge_functions.iso_c(deltas)
     u_out, s_out, vh_out = torch.linalg.svd(result, full_matrices=False)
     torch.testing.assert_close(s_out, s.mean().expand_as(s), rtol=1e-10, atol=0)
     # Same singular subspaces (compared as projectors, which ignore sign and order).
@@ -64,30 +64,30 @@ def test_iso_c_fast_paths_are_iso_correct_of_the_mean(ortho, scale):
     deltas = make_deltas(3, (10, 14))
     settings = IsoSettings(ortho, scale, 5, "bfloat16")
     expected = iso_correct(torch.stack(deltas).sum(0) / 3, settings)
-    torch.testing.assert_close(merge.iso_c(deltas, settings), expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(merge_functions.iso_c(deltas, settings), expected, atol=1e-6, rtol=1e-5)
 
 
 def test_merger_iso_c_is_aggregate_then_pure_finalize():
     deltas = make_deltas(3, (9, 6))
     m = merger("iso_c", 3, ortho="gram")
     aggregate = m.aggregate("w", deltas)
-    assert torch.equal(aggregate, merge.mean(deltas))
-    assert torch.equal(m.finalize("w", aggregate), merge.iso_c(deltas, IsoSettings(ortho="gram")))
-    assert torch.equal(m.merge("w", deltas), merge.iso_c(deltas, IsoSettings(ortho="gram")))
+    assert torch.equal(aggregate, merge_functions.mean(deltas))
+    assert torch.equal(m.finalize("w", aggregate), merge_functions.iso_c(deltas, IsoSettings(ortho="gram")))
+    assert torch.equal(m.merge("w", deltas), merge_functions.iso_c(deltas, IsoSettings(ortho="gram")))
     vector = make_deltas(3, (6,))
-    assert torch.equal(m.merge("b", vector), merge.mean(vector))
+    assert torch.equal(m.merge("b", vector), merge_functions.mean(vector))
 
 
 @pytest.mark.parametrize("shape", [(12, 8), (8, 12)])
 def test_iso_cts_with_full_common_fraction_is_iso_c(shape):
     deltas = make_deltas(4, shape)
-    torch.testing.assert_close(merge.iso_cts(deltas, common_fraction=1.0), merge.iso_c(deltas), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merge_functions.iso_cts(deltas, common_fraction=1.0), merge_functions.iso_c(deltas), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("common_fraction", [0.5, 0.8])
 def test_iso_cts_is_isotropic_and_spans_common_plus_worker_directions(common_fraction):
     deltas = make_deltas(3, (16, 12), dtype=torch.float64)
-    result = merge.iso_cts(deltas, common_fraction=common_fraction)
+    result = merge_functions.iso_cts(deltas, common_fraction=common_fraction)
     sigma = torch.linalg.svdvals(result)
     torch.testing.assert_close(sigma, sigma.mean().expand_as(sigma), rtol=1e-8, atol=0)
     # The common block: the top r − R·s left singular vectors of the mean lie in the result's range.
@@ -138,7 +138,7 @@ def test_iso_cts_hand_checked_case():
     value is the mean of σ(mean)[:16] and each worker's top σ of residual_r / R."""
     workers = 8
     deltas = make_deltas(workers, (24, 30), dtype=torch.float64)
-    result = merge.iso_cts(deltas, common_fraction=0.8, factors="exact")
+    result = merge_functions.iso_cts(deltas, common_fraction=0.8, factors="exact")
     mean = torch.stack(deltas).mean(0)
     u, s, _ = torch.linalg.svd(mean, full_matrices=False)
     u_c = u[:, :16]
@@ -152,7 +152,7 @@ def test_iso_cts_hand_checked_case():
 def test_iso_cts_matches_its_definition(workers, shape):
     deltas = make_deltas(workers, shape, dtype=torch.float64)
     common, per_worker = rules.iso_cts_split(min(shape), workers, 0.8)
-    np.testing.assert_allclose(merge.iso_cts(deltas, factors="exact").numpy(),
+    np.testing.assert_allclose(merge_functions.iso_cts(deltas, factors="exact").numpy(),
                                reference_iso_cts(deltas, common, per_worker), atol=1e-12)
 
 
@@ -171,19 +171,19 @@ def reference_tsv(deltas: list[torch.Tensor]) -> np.ndarray:
 def test_tsv_matches_its_definition(workers, shape):
     """Including R > r, where every worker still keeps its top direction."""
     deltas = make_deltas(workers, shape, dtype=torch.float64)
-    np.testing.assert_allclose(merge.tsv(deltas, factors="exact").numpy(), reference_tsv(deltas), atol=1e-10)
+    np.testing.assert_allclose(merge_functions.tsv(deltas, factors="exact").numpy(), reference_tsv(deltas), atol=1e-10)
 
 
 def test_tsv_of_one_worker_is_its_delta():
     (delta,) = make_deltas(1, (9, 6))
-    torch.testing.assert_close(merge.tsv([delta]), delta, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merge_functions.tsv([delta]), delta, atol=1e-5, rtol=1e-5)
 
 
 def test_ties_with_full_density_and_agreeing_signs_is_the_mean():
     deltas = [d.abs() + 0.1 for d in make_deltas(3, (6, 5))]  # all positive: every sign agrees
-    torch.testing.assert_close(merge.ties(deltas, density=1.0), merge.mean(deltas))
+    torch.testing.assert_close(merge_functions.ties(deltas, density=1.0), merge_functions.mean(deltas))
     negative = [-d for d in deltas]
-    torch.testing.assert_close(merge.ties(negative, density=1.0), merge.mean(negative))
+    torch.testing.assert_close(merge_functions.ties(negative, density=1.0), merge_functions.mean(negative))
 
 
 @pytest.mark.parametrize("density", [0.3, 0.7, 0.9, 1.0])
@@ -195,14 +195,14 @@ def test_ties_matches_peft(density, workers):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft warns that density 1 prunes nothing
         expected = merge_utils.ties(deltas, torch.ones(workers, dtype=torch.float64), density, "total")
-    torch.testing.assert_close(merge.ties(deltas, density=density), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(merge_functions.ties(deltas, density=density), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_ties_zero_entries_neither_agree_nor_count():
     """Density 1 keeps every entry (threshold 0): a zero has no sign, so it is not among the
     agreeing entries of either elected sign, by hand."""
     deltas = [torch.tensor([1.0, 0.0, -2.0, 0.0]), torch.tensor([3.0, 0.0, 0.0, -1.0])]
-    assert torch.equal(merge.ties(deltas, density=1.0), torch.tensor([2.0, 0.0, -2.0, -1.0]))
+    assert torch.equal(merge_functions.ties(deltas, density=1.0), torch.tensor([2.0, 0.0, -2.0, -1.0]))
 
 
 def test_ties_elects_plus_where_nonzero_entries_sum_to_zero():
@@ -218,7 +218,7 @@ def test_ties_elects_plus_where_nonzero_entries_sum_to_zero():
         agreeing = [e for e in entries if (e > 0 if positive else e < 0)]
         expected.append(sum(agreeing) / len(agreeing) if agreeing else 0.0)
     assert [sum(entries) for entries in zip(*(d.tolist() for d in deltas))].count(0) == 5  # the case under test
-    assert merge.ties(deltas, density=1.0).tolist() == expected
+    assert merge_functions.ties(deltas, density=1.0).tolist() == expected
 
 
 def test_ties_keeps_ties_at_the_threshold():
@@ -235,16 +235,16 @@ def test_ties_keeps_at_least_one_entry_per_tensor():
 
 def test_dare_without_dropping_is_the_mean():
     deltas = make_deltas(4, (6, 5))
-    assert torch.equal(merge.dare(deltas, drop_rate=0.0), merge.mean(deltas))
+    assert torch.equal(merge_functions.dare(deltas, drop_rate=0.0), merge_functions.mean(deltas))
 
 
 def test_dare_is_unbiased():
     deltas = make_deltas(3, (4, 5), dtype=torch.float64)
     draws = 2000
-    total = sum(merge.dare(deltas, drop_rate=0.3, seed=seed) for seed in range(draws))
+    total = sum(merge_functions.dare(deltas, drop_rate=0.3, seed=seed) for seed in range(draws))
     # Each entry's estimator has variance Σ_r Δ_r² · p/(1−p) / R²; allow 5 standard errors.
     stderr = (torch.stack(deltas).pow(2).sum(0) * (0.3 / 0.7) / 9 / draws).sqrt()
-    assert ((total / draws - merge.mean(deltas)).abs() < 5 * stderr).all()
+    assert ((total / draws - merge_functions.mean(deltas)).abs() < 5 * stderr).all()
 
 
 def dare_mask(seed: int, worker: int, round: int, name: str, shape: tuple, drop_rate: float) -> torch.Tensor:
@@ -259,7 +259,7 @@ def test_dare_is_its_definition_with_the_counter_based_masks(drop_rate):
     deltas = make_deltas(3, (8, 6), dtype=torch.float64)
     masks = [dare_mask(7, r, 0, "tensor", (8, 6), drop_rate) for r in range(3)]
     expected = sum(d * m / (1 - drop_rate) for d, m in zip(deltas, masks)) / 3
-    torch.testing.assert_close(merge.dare(deltas, drop_rate=drop_rate, seed=7), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(merge_functions.dare(deltas, drop_rate=drop_rate, seed=7), expected, rtol=1e-12, atol=0)
 
 
 def test_dare_keep_rate_and_chunks():
@@ -315,7 +315,7 @@ def test_vector_shaped_matrices(rule, shape, workers):
     result = run_rule(rule, deltas)
     assert result.shape == shape and torch.isfinite(result).all()
     if rule in ("mean", "iso_c", "iso_cts"):
-        torch.testing.assert_close(result, merge.mean(deltas), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(result, merge_functions.mean(deltas), atol=1e-6, rtol=1e-5)
     if rule == "tsv":
         np.testing.assert_allclose(result.numpy(), reference_tsv(deltas), atol=1e-5)
 
@@ -333,7 +333,7 @@ def test_rank_deficient_deltas(rule):
         torch.testing.assert_close(basis @ (basis.T @ result), result, atol=1e-5, rtol=1e-5)
     if rule == "iso_c":
         sigma = torch.linalg.svdvals(result)
-        mean_sigma = torch.linalg.svdvals(merge.mean(deltas)).sum() / 7
+        mean_sigma = torch.linalg.svdvals(merge_functions.mean(deltas)).sum() / 7
         torch.testing.assert_close(sigma[:2], mean_sigma.expand(2), rtol=1e-5, atol=0)
         assert sigma[2:].max() < 1e-5 * sigma[0]
 
@@ -362,30 +362,30 @@ def test_one_worker(rule):
 @pytest.mark.parametrize("rule", ["tsv", "iso_c", "iso_cts"])
 def test_spectral_rules_take_the_mean_of_non_matrices(rule):
     deltas = make_deltas(3, (4, 3, 2))
-    assert torch.equal(run_rule(rule, deltas), merge.mean(deltas))
+    assert torch.equal(run_rule(rule, deltas), merge_functions.mean(deltas))
     vectors = make_deltas(3, (7,))
-    assert torch.equal(run_rule(rule, vectors), merge.mean(vectors))
+    assert torch.equal(run_rule(rule, vectors), merge_functions.mean(vectors))
 
 
 @pytest.mark.parametrize("rule", ["tsv", "iso_c", "iso_cts"])
 def test_excluded_matrices_take_the_mean(rule):
     m = merger(rule, 2, exclude=["*embed*", "lm_head.weight"])
     deltas = make_deltas(2, (8, 6))
-    assert torch.equal(m.merge("model.embed_tokens.weight", deltas), merge.mean(deltas))
-    assert torch.equal(m.merge("lm_head.weight", deltas), merge.mean(deltas))
-    assert not torch.allclose(m.merge("model.layers.0.mlp.weight", deltas), merge.mean(deltas))
+    assert torch.equal(m.merge("model.embed_tokens.weight", deltas), merge_functions.mean(deltas))
+    assert torch.equal(m.merge("lm_head.weight", deltas), merge_functions.mean(deltas))
+    assert not torch.allclose(m.merge("model.layers.0.mlp.weight", deltas), merge_functions.mean(deltas))
 
 
 def test_non_finite_delta_names_parameter_worker_and_round():
     comm = ProcessGroup(2).communicators(workers_per_process=2)[1]  # holds workers 2 and 3
-    m = merge.Merger(merge.MergeConfig(rule="mean"), comm, seed=0)
+    m = merge.Merger(merge_config.MergeConfig(rule="mean"), comm, seed=0)
     deltas = make_deltas(2, (3, 3))
     deltas[1][0, 0] = float("nan")
     with pytest.raises(NonFiniteDeltaError, match=r"'blocks.3.attn.weight' from worker 3 in round 7"):
         m.merge("blocks.3.attn.weight", deltas, round=7)
     deltas[1][0, 0] = float("inf")
     with pytest.raises(ValueError, match="worker 1"):
-        merge.iso_c([torch.ones(2, 2), deltas[1]])
+        merge_functions.iso_c([torch.ones(2, 2), deltas[1]])
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)
@@ -418,7 +418,7 @@ def test_wrong_number_of_deltas():
 @pytest.mark.parametrize("m, n, workers", [(24, 20, 2), (24, 30, 8), (4, 3, 5)])
 def test_bytes_sent_per_worker(rule, floats, m, n, workers):
     comm = LocalCommunicator(workers)
-    merge.Merger(merge.MergeConfig(rule=rule), comm, seed=0).merge("w", make_deltas(workers, (m, n)))
+    merge.Merger(merge_config.MergeConfig(rule=rule), comm, seed=0).merge("w", make_deltas(workers, (m, n)))
     assert comm.reset_bytes() == 4 * floats(m, n, workers)
 
 
@@ -432,7 +432,7 @@ def merge_all(m: merge.Merger, deltas: dict[str, list[torch.Tensor]], rounds: in
     return [{name: m.merge(name, ds, round=t) for name, ds in deltas.items()} for t in range(rounds)]
 
 
-def merge_in_processes(cfg: merge.MergeConfig, deltas, world_size: int, rounds: int):
+def merge_in_processes(cfg: merge_config.MergeConfig, deltas, world_size: int, rounds: int):
     workers_per_process = len(next(iter(deltas.values()))) // world_size
     comms = ProcessGroup(world_size).communicators(workers_per_process)
     results: list = [None] * world_size
@@ -456,7 +456,7 @@ def merge_in_processes(cfg: merge.MergeConfig, deltas, world_size: int, rounds: 
 def test_rules_do_not_depend_on_the_process_layout(rule, world_size):
     """4 workers in one process == 4 workers spread over processes, for every rule (DARE's
     masks included: each worker's stream is seeded by its global id)."""
-    cfg = merge.MergeConfig(rule=rule, drop_rate=0.3)
+    cfg = merge_config.MergeConfig(rule=rule, drop_rate=0.3)
     deltas = {name: make_deltas(4, shape, seed=i) for i, (name, shape) in enumerate(PARAMETERS.items())}
     expected = merge_all(merge.Merger(cfg, LocalCommunicator(4), seed=11), deltas, rounds=2)
     for per_process in merge_in_processes(cfg, deltas, world_size, rounds=2):
@@ -506,8 +506,8 @@ def test_dare_masks_do_not_depend_on_the_delta_dtype():
 def test_registry_matches_config_choices():
     import dataclasses
 
-    choices = {f.name: f.metadata.get("choices") for f in dataclasses.fields(merge.MergeConfig)}
-    assert set(merge.RULES) == set(choices["rule"]) == set(RULE_NAMES)
+    choices = {f.name: f.metadata.get("choices") for f in dataclasses.fields(merge_config.MergeConfig)}
+    assert set(rules.RULES) == set(choices["rule"]) == set(RULE_NAMES)
 
 
 @pytest.mark.parametrize(
@@ -533,11 +533,11 @@ def test_registry_matches_config_choices():
 )
 def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        merge.MergeConfig(**overrides).validate()
+        merge_config.MergeConfig(**overrides).validate()
 
 
 def test_default_config_is_valid_and_corrects_every_matrix():
-    cfg = merge.MergeConfig()
+    cfg = merge_config.MergeConfig()
     cfg.validate()
     assert cfg.exclude == [] and not cfg.excludes("model.embed_tokens.weight")
     assert math.isclose(cfg.density, 0.9) and cfg.rule == "mean" and cfg.ortho == "auto"
@@ -569,8 +569,8 @@ def test_buckets_and_fetching_do_not_change_the_merge(rule):
     same merged tensors (within rounding: one bucket batches Iso-C's same-shape matrices)."""
     shapes = {"a.weight": (12, 8), "b.weight": (12, 8), "c.weight": (8, 20), "norm": (8,)}
     deltas = {name: make_deltas(4, shape, seed=i) for i, (name, shape) in enumerate(shapes.items())}
-    one_each = merge.Merger(merge.MergeConfig(rule=rule, bucket_mb=1e-9), LocalCommunicator(4), seed=2)
-    together = merge.Merger(merge.MergeConfig(rule=rule), LocalCommunicator(4), seed=2)
+    one_each = merge.Merger(merge_config.MergeConfig(rule=rule, bucket_mb=1e-9), LocalCommunicator(4), seed=2)
+    together = merge.Merger(merge_config.MergeConfig(rule=rule), LocalCommunicator(4), seed=2)
     expected = one_each.merge_all(deltas, round=1)
     fetched = together.merge_all(deltas, round=1, fetch=lambda d: d.clone())
     for name in shapes:
@@ -593,7 +593,7 @@ def test_the_merge_holds_one_fetched_delta_at_a_time(rule):
         return copy
 
     deltas = {"w": make_deltas(8, (48, 40)), "v": make_deltas(8, (16,))}  # Iso-CTS: s = 1 direction each
-    merge.Merger(merge.MergeConfig(rule=rule), LocalCommunicator(8), seed=0).merge_all(deltas, 0, fetch)
+    merge.Merger(merge_config.MergeConfig(rule=rule), LocalCommunicator(8), seed=0).merge_all(deltas, 0, fetch)
     # Each phase fetches every delta once: TIES has two for both tensors, Iso-CTS two for "w".
     assert len(alive) == 8 * {"ties": 4, "iso_cts": 3}.get(rule, 2)
 
@@ -615,7 +615,7 @@ def test_one_collective_per_bucket_and_phase():
     for rule, expected in {"mean": ["sum"], "ties": ["sum", "sum"], "iso_cts": ["sum", "gather"],
                            "tsv": ["sum", "gather"]}.items():
         calls.clear()
-        merge.Merger(merge.MergeConfig(rule=rule), Counting(2), seed=0).merge_all(deltas)
+        merge.Merger(merge_config.MergeConfig(rule=rule), Counting(2), seed=0).merge_all(deltas)
         assert calls == expected, rule
 
 
@@ -634,12 +634,12 @@ def test_randomized_factors_match_the_exact_ones_where_auto_takes_them(finder_dt
 
     shared = decaying(192, 160, 0.8)  # a rank of at least RANDOMIZED_MIN_RANK: auto considers the finder
     deltas = [shared + 0.5 * decaying(192, 160, 0.7) for _ in range(16)]
-    for rule in (merge.tsv, merge.iso_cts):
+    for rule in (merge_functions.tsv, merge_functions.iso_cts):
         exact = rule(deltas, factors="exact")
         relative = (rule(deltas, factors="auto", finder_dtype=finder_dtype) - exact).norm() / exact.norm()
         assert 0 < relative < 5e-4, (rule.__name__, relative)
     two = deltas[:2]  # k = 80 of 160: auto takes the full SVD
-    assert torch.equal(merge.tsv(two, factors="auto"), merge.tsv(two, factors="exact"))
+    assert torch.equal(merge_functions.tsv(two, factors="auto"), merge_functions.tsv(two, factors="exact"))
 
 
 def test_the_finder_dtype_names_map_to_dtypes():
@@ -714,8 +714,8 @@ def test_a_compressed_merge_is_the_rule_on_the_compressed_sum(fmt, rule):
     q = Quantization(fmt)
     deltas = {"w": make_deltas(4, (12, 10)), "b": make_deltas(4, (10,), seed=1)}
     comm = LocalCommunicator(4)
-    merged = merge.Merger(merge.MergeConfig(rule=rule, quantize=fmt), comm, seed=0).merge_all(deltas)
-    exact = merge.Merger(merge.MergeConfig(rule=rule), LocalCommunicator(4), seed=0)
+    merged = merge.Merger(merge_config.MergeConfig(rule=rule, quantize=fmt), comm, seed=0).merge_all(deltas)
+    exact = merge.Merger(merge_config.MergeConfig(rule=rule), LocalCommunicator(4), seed=0)
     for name, ds in deltas.items():
         if rule == "dare":  # its contributions are the masked, rescaled deltas
             ds = [d * rules.keep_mask(rules.mask_key(0, r, 0, name), 0, d.numel(), 0.9, d.device).view_as(d) / 0.9
@@ -731,7 +731,7 @@ def test_a_compressed_merge_is_the_rule_on_the_compressed_sum(fmt, rule):
 def test_error_feedback_sends_what_compression_lost_later():
     """Over rounds, what the merge received adds up to what the workers meant minus their last
     residuals (exactly, up to float rounding), and the residuals live on between rounds."""
-    m = merge.Merger(merge.MergeConfig(rule="mean", quantize="int4", error_feedback=True), LocalCommunicator(2), 0)
+    m = merge.Merger(merge_config.MergeConfig(rule="mean", quantize="int4", error_feedback=True), LocalCommunicator(2), 0)
     residuals = {"w": [torch.zeros(6, 5) for _ in range(2)]}
     meant = received = 0
     for t in range(5):
@@ -755,4 +755,4 @@ def test_error_feedback_sends_what_compression_lost_later():
 ])
 def test_compression_settings_a_rule_cannot_take_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        merge.MergeConfig(**overrides).validate()
+        merge_config.MergeConfig(**overrides).validate()

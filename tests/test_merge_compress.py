@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from isoloco import merge
+from isoloco import merge, merge_config
 from isoloco.comm import LocalCommunicator
 from isoloco.errors import ConfigError
 from isoloco.ortho import iso_correct_in_span
@@ -19,6 +19,7 @@ from isoloco.sync.codec import Quantization, dequantize, quantize, shard_ranges
 from isoloco.sync.compressed import choose_route
 from isoloco.sync.handles import run_to_end
 from isoloco.sync.lowrank import initial_factor
+from isoloco.sync.slowlink import mean_wire_bytes
 from helpers import ONE_THREAD_ENV, SMALL_ARGS, wait_for
 from test_compressed import island_mergers, run_islands
 
@@ -57,7 +58,7 @@ def powersgd_loop(rounds: list[list[torch.Tensor]], q: torch.Tensor, feedback: b
     return means
 
 
-def merger(cfg: merge.MergeConfig, workers: int) -> merge.Merger:
+def merger(cfg: merge_config.MergeConfig, workers: int) -> merge.Merger:
     return merge.Merger(cfg, LocalCommunicator(workers), seed=3)
 
 
@@ -65,7 +66,7 @@ def merger(cfg: merge.MergeConfig, workers: int) -> merge.Merger:
 def test_lowrank_follows_powersgd_over_rounds(feedback):
     """The mean of 4 workers over 4 rounds: warm start and error feedback as in the paper's
     algorithm; vectors stay whole. Forgetting the warm start or the residual fails it."""
-    cfg = merge.MergeConfig(rule="mean", compress="lowrank", compress_rank=2, error_feedback=feedback)
+    cfg = merge_config.MergeConfig(rule="mean", compress="lowrank", compress_rank=2, error_feedback=feedback)
     m = merger(cfg, 4)
     rounds = [signal_deltas(4, seed=t) for t in range(4)]
     residuals = {name: [torch.zeros(shape) for _ in range(4)] for name, shape in SHAPES.items()}
@@ -122,7 +123,7 @@ def test_lowrank_with_int8_factors_follows_powersgd_with_the_codec(islands):
     above, over 4 rounds: the merge and every island's residual. A residual that forgets what
     its share lost on the wire, or an owner's rounding, fails it."""
     q8 = Quantization("int8")
-    cfg = merge.MergeConfig(rule="mean", compress="lowrank", compress_rank=2, quantize="int8", error_feedback=True)
+    cfg = merge_config.MergeConfig(rule="mean", compress="lowrank", compress_rank=2, quantize="int8", error_feedback=True)
     m = merger(cfg, islands)
     rounds = [signal_deltas(islands, seed=t) for t in range(4)]
     residuals = {name: [torch.zeros(shape) for _ in range(islands)] for name, shape in SHAPES.items()}
@@ -144,13 +145,13 @@ def test_an_island_with_no_arrivals_sends_nothing_and_keeps_its_low_rank_residua
     residual stays as it was but for the rounding of the chunk of Q' it owns (P ≥ 3), and the
     mean is over the islands that arrived."""
     late = [[], [1], [0], [islands - 1]]
-    cfg = merge.MergeConfig(rule="mean", compress="lowrank", compress_rank=2, quantize="int8", error_feedback=True)
+    cfg = merge_config.MergeConfig(rule="mean", compress="lowrank", compress_rank=2, quantize="int8", error_feedback=True)
     m = merger(cfg, islands)
     rounds = [signal_deltas(islands, seed=t) for t in range(len(late))]
     residuals = {name: [torch.zeros(shape) for _ in range(islands)] for name, shape in SHAPES.items()}
     got = []
     for t, deltas in enumerate(rounds):
-        came = merge.Participation(tuple(w for w in range(islands) if w not in late[t]))
+        came = merge_config.Participation(tuple(w for w in range(islands) if w not in late[t]))
         got.append(run_to_end(m.start(deltas, t, residuals=residuals, participation=came).steps))
     for name, shape in SHAPES.items():
         if len(shape) == 1:
@@ -165,7 +166,7 @@ def test_an_island_with_no_arrivals_sends_nothing_and_keeps_its_low_rank_residua
 
 def test_lowrank_at_full_rank_is_the_mean():
     deltas = signal_deltas(3, seed=9)
-    full = merger(merge.MergeConfig(rule="mean", compress="lowrank", compress_rank=50), 3).merge_all(deltas)
+    full = merger(merge_config.MergeConfig(rule="mean", compress="lowrank", compress_rank=50), 3).merge_all(deltas)
     for name, ds in deltas.items():
         assert torch.allclose(full[name], sum(ds) / 3, atol=1e-5), name
 
@@ -174,8 +175,8 @@ def test_iso_c_flattens_the_k_singular_values_the_factors_carry():
     """Iso-C of a rank-k sum: its k singular values get their mean over the k (not over
     min(m, n)), on the factors' singular vectors; checked against a float64 SVD."""
     rounds = [signal_deltas(4, seed=t) for t in range(2)]
-    cfg = merge.MergeConfig(rule="iso_c", compress="lowrank", compress_rank=3)
-    mean_cfg = merge.MergeConfig(rule="mean", compress="lowrank", compress_rank=3)
+    cfg = merge_config.MergeConfig(rule="iso_c", compress="lowrank", compress_rank=3)
+    mean_cfg = merge_config.MergeConfig(rule="mean", compress="lowrank", compress_rank=3)
     iso, mean = merger(cfg, 4), merger(mean_cfg, 4)
     for t, deltas in enumerate(rounds):
         got, summed = iso.merge_all(deltas, t), mean.merge_all(deltas, t)
@@ -191,7 +192,7 @@ def test_iso_correct_in_span_keeps_the_variants():
     generator = torch.Generator().manual_seed(1)
     basis = torch.linalg.qr(torch.randn(20, 4, generator=generator)).Q
     matrix = basis @ torch.randn(4, 30, generator=generator)
-    kept = iso_correct_in_span(matrix, basis, merge.MergeConfig(iso_power=1.0).iso)
+    kept = iso_correct_in_span(matrix, basis, merge_config.MergeConfig(iso_power=1.0).iso)
     assert torch.allclose(kept, matrix, atol=1e-5)
     flat = torch.linalg.svdvals(iso_correct_in_span(matrix, basis))
     assert torch.allclose(flat[:4], torch.linalg.svdvals(matrix)[:4].mean().expand(4), rtol=1e-5)
@@ -219,7 +220,7 @@ def topk_loop(deltas: list[torch.Tensor], errors: list[torch.Tensor] | None, den
 
 @pytest.mark.parametrize("feedback", [False, True])
 def test_topk_keeps_each_chunks_largest_entries(feedback):
-    cfg = merge.MergeConfig(rule="mean", compress="topk", compress_density=0.1, compress_chunk=32,
+    cfg = merge_config.MergeConfig(rule="mean", compress="topk", compress_density=0.1, compress_chunk=32,
                             error_feedback=feedback)
     m = merger(cfg, 3)
     residuals = {name: [torch.zeros(shape) for _ in range(3)] for name, shape in SHAPES.items()}
@@ -242,7 +243,7 @@ def test_topk_keeps_each_chunks_largest_entries(feedback):
 def test_every_island_layout_gives_the_simulators_bits(compress, islands):
     """Islands of one worker each, with int8 factors or values and error feedback: every
     island ends with the bits of the one-process simulator, over two rounds (warm start)."""
-    cfg = merge.MergeConfig(rule="iso_c", compress=compress, compress_rank=2, compress_density=0.2,
+    cfg = merge_config.MergeConfig(rule="iso_c", compress=compress, compress_rank=2, compress_density=0.2,
                             compress_chunk=64, quantize="int8", error_feedback=True)
     simulated, mergers = merger(cfg, islands), island_mergers(cfg, islands, islands, seed=3)
     spread = {name: [torch.zeros(shape) for _ in range(islands)] for name, shape in SHAPES.items()}
@@ -267,7 +268,7 @@ def test_every_island_layout_gives_the_simulators_bits(compress, islands):
 ])
 def test_bad_compression_settings_are_refused(keys, message):
     with pytest.raises(ConfigError, match=message):
-        merge.MergeConfig(compress="lowrank", **keys).validate()
+        merge_config.MergeConfig(compress="lowrank", **keys).validate()
 
 
 @pytest.mark.multiprocess
@@ -286,26 +287,26 @@ def test_excluded_matrices_cross_whole_while_the_others_are_compressed(compress)
     without the patterns; the cost model counts each its own way."""
     deltas = signal_deltas(3, seed=11)
     keys = {"rule": "iso_c", "quantize": "int8", "compress_rank": 2, "compress_density": 0.2, "compress_chunk": 64}
-    both = merger(merge.MergeConfig(compress=compress, compress_exclude=["wide*"], **keys), 3).merge_all(deltas)
-    dense = merger(merge.MergeConfig(**keys), 3).merge_all(deltas)
-    compressed = merger(merge.MergeConfig(compress=compress, **keys), 3).merge_all(deltas)
+    both = merger(merge_config.MergeConfig(compress=compress, compress_exclude=["wide*"], **keys), 3).merge_all(deltas)
+    dense = merger(merge_config.MergeConfig(**keys), 3).merge_all(deltas)
+    compressed = merger(merge_config.MergeConfig(compress=compress, **keys), 3).merge_all(deltas)
     assert torch.equal(both["wide.weight"], dense["wide.weight"])
     assert torch.equal(both["tall.weight"], compressed["tall.weight"])
     assert not torch.equal(dense["tall.weight"], compressed["tall.weight"])
     shapes, names = [torch.Size(s) for s in SHAPES.values()], list(SHAPES)
-    cfgs = [merge.MergeConfig(compress=compress, compress_exclude=["wide*"], **keys),
-            merge.MergeConfig(**keys), merge.MergeConfig(compress=compress, **keys)]
-    mixed, whole, small = (merge.wire_bytes_per_merge(shapes, cfg, 3, names) for cfg in cfgs)
+    cfgs = [merge_config.MergeConfig(compress=compress, compress_exclude=["wide*"], **keys),
+            merge_config.MergeConfig(**keys), merge_config.MergeConfig(compress=compress, **keys)]
+    mixed, whole, small = (mean_wire_bytes(shapes, cfg.lossy_compression, cfg.bucket_bytes, 3, names) for cfg in cfgs)
     assert small < mixed < whole
 
 
 def test_compress_exclude_without_compression_is_refused():
     with pytest.raises(ConfigError, match=r"merge.compress_exclude=\['\*embed\*'\] is ignored with merge.compress=none"):
-        merge.MergeConfig(quantize="int8", compress_exclude=["*embed*"]).validate()
+        merge_config.MergeConfig(quantize="int8", compress_exclude=["*embed*"]).validate()
 
 
 def test_a_rank_above_a_matrixs_side_is_clamped_and_recorded():
-    m = merger(merge.MergeConfig(rule="mean", compress="lowrank", compress_rank=10), 2)
+    m = merger(merge_config.MergeConfig(rule="mean", compress="lowrank", compress_rank=10), 2)
     m.merge_all(signal_deltas(2, seed=5))
     assert m.clamped == {"tall.weight": 6}
 
@@ -366,7 +367,7 @@ def test_two_islands_send_under_a_hundredth_of_float32s_bytes_with_the_simulator
     from safetensors.torch import load_file
 
     from isoloco.bench.workload import parameter_shapes
-    from isoloco.merge import MergeConfig, wire_bytes_per_merge
+    from isoloco.merge_config import MergeConfig
 
     spread = tmp_path / "spread"
     launched = train("launch", "--nproc", "2", "--", "train", *RUN, "checkpoint_every=0", "--out", str(spread))
@@ -378,10 +379,12 @@ def test_two_islands_send_under_a_hundredth_of_float32s_bytes_with_the_simulator
     compressed = MergeConfig(compress="lowrank", compress_rank=2, quantize="int8", error_feedback=True)
     assert [f"merge.{key}={str(getattr(compressed, key)).lower()}"
             for key in ("compress", "compress_rank", "quantize", "error_feedback")] == COMPRESSED
-    assert summary(spread)["cross_island_wire_bytes"] == rounds * processes * wire_bytes_per_merge(shapes, compressed, 2)
+    assert summary(spread)["cross_island_wire_bytes"] == rounds * processes * mean_wire_bytes(
+        shapes, compressed.lossy_compression, compressed.bucket_bytes, 2)
     # At the `quick` preset's vocabulary (the issue's command) the same count is under 1% of float32's.
     quick = [shape for _, shape in parameter_shapes("tiny")]
-    assert wire_bytes_per_merge(quick, compressed, 2) <= 0.01 * wire_bytes_per_merge(quick, MergeConfig(), 2)
+    assert (mean_wire_bytes(quick, compressed.lossy_compression, compressed.bucket_bytes, 2)
+            <= 0.01 * mean_wire_bytes(quick, None, compressed.bucket_bytes, 2))
 
 
 @pytest.mark.slow

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from isoloco import ortho
-
 METHODS = list(ortho.POLAR_METHODS)
 SVD = ortho.IsoSettings(ortho="svd")  # the exact reference
 SCALES = list(ortho.SCALE_METHODS)
@@ -299,7 +298,7 @@ def test_default_knobs_keep_the_paper_code_path_bit_for_bit(monkeypatch, method,
 
 
 def test_merge_config_defaults_are_the_paper_iso_c():
-    from isoloco.merge import MergeConfig
+    from isoloco.merge_config import MergeConfig
 
     assert MergeConfig().iso == ortho.IsoSettings()
 
@@ -452,17 +451,17 @@ def test_cli_refuses_variants_with_newton_schulz_before_any_work(tmp_path, capsy
 
 
 def test_variants_reach_the_merge_and_the_update_placement():
-    """`merge.iso_c` (the engine's finalize) and `IsoLoCo` (outer.iso_placement=update) both
+    """`merge_functions.iso_c` (the engine's finalize) and `IsoLoCo` (outer.iso_placement=update) both
     apply the configured variant."""
-    from isoloco import merge
+    from isoloco import merge_config, merge_functions
     from isoloco.outer import OuterConfig, build_outer_optimizer
 
     settings = ortho.IsoSettings("svd", iso_power=0.5, iso_floor=0.05)
     deltas = [signal_plus_noise(24, 16, seed=s) for s in range(3)]
     expected = ortho.iso_correct(torch.stack(deltas).mean(0), settings)
-    torch.testing.assert_close(merge.iso_c(deltas, settings), expected)
+    torch.testing.assert_close(merge_functions.iso_c(deltas, settings), expected)
 
-    config = merge.MergeConfig(rule="iso_c", ortho="svd", iso_power=0.5, iso_floor=0.05)
+    config = merge_config.MergeConfig(rule="iso_c", ortho="svd", iso_power=0.5, iso_floor=0.05)
     param = torch.nn.Parameter(torch.zeros(24, 16))
     optimizer = build_outer_optimizer([("w", param)], config, OuterConfig(iso_placement="update", lr=1.0,
                                                                            momentum=0.5))

@@ -4,7 +4,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from isoloco import merge
+from isoloco import merge_config, merge_functions
 from isoloco.comm import LocalCommunicator
 from isoloco.errors import ConfigError
 from isoloco.ortho import IsoSettings, iso_correct
@@ -27,7 +27,7 @@ def make_round_deltas(round: int, dtype=torch.float32) -> dict[str, list[torch.T
 
 
 def outer_step(params, rule="mean", seed=0, merge_knobs=None, **outer) -> OuterStep:
-    cfg = merge.MergeConfig(rule=rule, **(merge_knobs or {}))
+    cfg = merge_config.MergeConfig(rule=rule, **(merge_knobs or {}))
     return OuterStep(params, cfg, OuterConfig(**outer), LocalCommunicator(WORKERS), seed=seed)
 
 
@@ -80,8 +80,8 @@ def test_isoloco_gradient_placement_is_iso_c_merge_then_torch_nesterov():
     isoloco_params, sgd_params = make_params(), make_params()
     isoloco = IsoLoCo([p for _, p in isoloco_params], lr=1.8, momentum=0.8, placement="gradient")
     sgd = torch.optim.SGD([p for _, p in sgd_params], lr=1.8, momentum=0.8, nesterov=True)
-    run_rounds(isoloco, isoloco_params, lambda t: [merge.mean(d) for d in make_round_deltas(t).values()])
-    run_rounds(sgd, sgd_params, lambda t: [merge.iso_c(d, IsoSettings(ortho="auto")) for d in make_round_deltas(t).values()])
+    run_rounds(isoloco, isoloco_params, lambda t: [merge_functions.mean(d) for d in make_round_deltas(t).values()])
+    run_rounds(sgd, sgd_params, lambda t: [merge_functions.iso_c(d, IsoSettings(ortho="auto")) for d in make_round_deltas(t).values()])
     for (_, a), (_, b) in zip(isoloco_params, sgd_params):
         assert torch.equal(a, b)
 
@@ -91,7 +91,7 @@ def test_isoloco_update_placement_matches_the_formula():
     theta = snapshot(params)
     lr, mu = 1.8, 0.8
     optimizer = IsoLoCo([p for _, p in params], lr=lr, momentum=mu, placement="update")
-    grads = lambda t: [merge.mean(d) for d in make_round_deltas(t, torch.float64).values()]  # noqa: E731
+    grads = lambda t: [merge_functions.mean(d) for d in make_round_deltas(t, torch.float64).values()]  # noqa: E731
     run_rounds(optimizer, params, grads)
     buffers = {}
     for t in range(3):
@@ -107,7 +107,7 @@ def test_isoloco_excluded_group_is_plain_nesterov():
     params, reference = make_params(), make_params()
     optimizer = IsoLoCo([dict(params=[p for _, p in params], iso=False)], lr=0.5, momentum=0.9)
     sgd = torch.optim.SGD([p for _, p in reference], lr=0.5, momentum=0.9, nesterov=True)
-    grads = lambda t: [merge.mean(d) for d in make_round_deltas(t).values()]  # noqa: E731
+    grads = lambda t: [merge_functions.mean(d) for d in make_round_deltas(t).values()]  # noqa: E731
     run_rounds(optimizer, params, grads)
     run_rounds(sgd, reference, grads)
     for (_, a), (_, b) in zip(params, reference):
@@ -133,7 +133,7 @@ def test_outer_step_with_update_placement_aggregates_by_mean_and_corrects_after_
     optimizer = IsoLoCo([p for _, p in reference], lr=1.8, momentum=0.8, placement="update")
     for t in range(2):
         step.step(make_round_deltas(t), round=t)
-    run_rounds(optimizer, reference, lambda t: [merge.mean(d) for d in make_round_deltas(t).values()], rounds=2)
+    run_rounds(optimizer, reference, lambda t: [merge_functions.mean(d) for d in make_round_deltas(t).values()], rounds=2)
     for (_, a), (_, b) in zip(params, reference):
         assert torch.equal(a, b)
 
@@ -211,8 +211,8 @@ def test_state_dict_layout():
 
 def test_update_placement_needs_iso_c():
     with pytest.raises(ConfigError, match="merge.rule=iso_c"):
-        validate_combination(merge.MergeConfig(rule="ties"), OuterConfig(iso_placement="update"))
-    validate_combination(merge.MergeConfig(rule="iso_c"), OuterConfig(iso_placement="update"))
+        validate_combination(merge_config.MergeConfig(rule="ties"), OuterConfig(iso_placement="update"))
+    validate_combination(merge_config.MergeConfig(rule="iso_c"), OuterConfig(iso_placement="update"))
     with pytest.raises(ConfigError, match="iso_placement"):
         outer_step(make_params(), rule="mean", iso_placement="update")
 

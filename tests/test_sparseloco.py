@@ -12,7 +12,7 @@ import torch
 from isoloco.comm import LocalCommunicator
 from isoloco.config import resolve
 from isoloco.errors import ConfigError, NonFiniteDeltaError
-from isoloco.merge import MergeConfig, Participation
+from isoloco.merge_config import MergeConfig, Participation
 from isoloco.metrics import read_metrics
 from isoloco.outer import OuterConfig, OuterStep
 from isoloco.sync import sparseloco
@@ -136,7 +136,7 @@ def test_the_bytes_are_the_cost_models_all_gather_of_the_blobs():
     shapes = list(SHAPES.values())
     tiling = sparseloco.Tiling(64, 64)
     blob = sum(tiling.layout(shape).nbytes for shape in shapes)
-    assert sparseloco.wire_bytes_per_merge(shapes, tiling, 4) == wire_bytes("all_gather", blob, 4) == 3 * blob
+    assert sparseloco.sparseloco_wire_bytes(shapes, tiling, 4) == wire_bytes("all_gather", blob, 4) == 3 * blob
     comm = LocalCommunicator(2)
     step = OuterStep([(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()],
                      MergeConfig(), OuterConfig(optimizer="sgd", lr=1.0, transport="sparseloco"), comm, seed=0)
@@ -224,7 +224,7 @@ def test_two_processes_give_the_simulators_numbers_and_the_cost_models_bytes(tmp
     shapes = [tensor.shape for tensor in simulated.values()]
     summary = json.loads((tmp_path / "spread" / "summary.json").read_text())
     rounds, processes = 3, 2
-    per_merge = sparseloco.wire_bytes_per_merge(shapes, sparseloco.Tiling(64, 8), islands=2, workers_per_island=2)
+    per_merge = sparseloco.sparseloco_wire_bytes(shapes, sparseloco.Tiling(64, 8), islands=2, workers_per_island=2)
     assert summary["cross_island_wire_bytes"] == rounds * processes * per_merge
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from isoloco import merge
+from isoloco import merge_config
 from isoloco.cli import main
 from isoloco.comm import LocalCommunicator
 from isoloco.config import resolve
@@ -141,7 +141,7 @@ WORKERS = 3
 def outer_rounds(measured: bool, rounds: int = 3, **outer) -> tuple[OuterStep, list[dict]]:
     g = torch.Generator().manual_seed(0)
     params = [(name, torch.nn.Parameter(torch.randn(shape, generator=g))) for name, shape in SHAPES.items()]
-    step = OuterStep(params, merge.MergeConfig(rule="ties"), OuterConfig(**outer), LocalCommunicator(WORKERS), seed=0)
+    step = OuterStep(params, merge_config.MergeConfig(rule="ties"), OuterConfig(**outer), LocalCommunicator(WORKERS), seed=0)
     probe = step.measure_spectra() if measured else None
     records = []
     for round in range(rounds):
@@ -170,7 +170,7 @@ def test_measuring_changes_neither_the_step_nor_the_counted_bytes():
 def test_the_norms_are_those_of_the_merged_update_and_of_the_step():
     g = torch.Generator().manual_seed(6)
     param = torch.nn.Parameter(torch.randn(4, 3, generator=g))
-    step = OuterStep([("w", param)], merge.MergeConfig(rule="mean"),
+    step = OuterStep([("w", param)], merge_config.MergeConfig(rule="mean"),
                      OuterConfig(optimizer="sgd", lr=0.5, momentum=0.0), LocalCommunicator(2), seed=0)
     probe = step.measure_spectra()
     deltas = [torch.randn(4, 3, generator=g) for _ in range(2)]

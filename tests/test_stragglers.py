@@ -10,11 +10,12 @@ import pytest
 import torch
 import yaml
 
-from isoloco import merge, report
+from isoloco import merge_functions, report
 from isoloco.comm import LocalCommunicator
 from isoloco.config import FaultsConfig, resolve, to_dict
 from isoloco.errors import ConfigError
-from isoloco.merge import MergeConfig, Merger, Participation
+from isoloco.merge import Merger
+from isoloco.merge_config import MergeConfig, Participation
 from isoloco.metrics import read_metrics
 from isoloco.rundir import CONFIG_FILE
 from isoloco.sync.handles import run_to_end
@@ -50,7 +51,7 @@ def test_weighted_mean_is_the_token_weighted_average():
                                rtol=1e-6, atol=1e-7)
     # Iso-C orthogonalises the weighted mean itself.
     torch.testing.assert_close(merged("iso_c", ds, Participation((0, 1, 2, 3), weights)),
-                               merge.iso_c([expected]), rtol=1e-5, atol=1e-6)
+                               merge_functions.iso_c([expected]), rtol=1e-5, atol=1e-6)
 
 
 def test_weighted_ties_averages_the_agreeing_entries_by_weight():

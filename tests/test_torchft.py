@@ -17,7 +17,8 @@ import torch
 from isoloco.config import TrainConfig, resolve
 from isoloco.errors import ConfigError
 from isoloco.data import load_token_data
-from isoloco.merge import MergeConfig, ties
+from isoloco.merge_config import MergeConfig
+from isoloco.merge_functions import ties
 from isoloco.model import build_model
 from isoloco.torchft import QuorumCommunicator, merge_in_quorum
 from isoloco.trainer import Trainer

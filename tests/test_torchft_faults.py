@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from isoloco.comm import LocalCommunicator
 from isoloco.config import TrainConfig
 from isoloco.data import load_token_data
-from isoloco.merge import Participation
+from isoloco.merge_config import Participation
 from isoloco.model import build_model
 from isoloco.outer import OuterStep
 

@@ -33,13 +33,15 @@ from isoloco.data import Batches
 from isoloco.distributed import Distributed
 from isoloco.errors import CheckpointError, ConfigError, NonFiniteDeltaError
 from isoloco.inner import InnerOptimizer, pinned_zeros_like
-from isoloco.merge import MergeConfig, Participation, wire_bytes_per_merge
+from isoloco.merge import finite_each
+from isoloco.merge_config import Participation
 from isoloco.rules import RULES
 from isoloco.ortho import FACTOR_PATHS
 from isoloco.outer import OuterStep
 from isoloco.sync import offload, sparseloco
 from isoloco.sync.handles import Steps, Sync, run_to_end
 from isoloco.sync.inflight import InFlight
+from isoloco.sync.slowlink import mean_wire_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class Worker:
 @dataclass(frozen=True)
 class SlowLinkModel:
     """What one synchronisation puts on the slow link per process by the cost model: the run's
-    own (`isoloco.merge.wire_bytes_per_merge`, or SparseLoCo's `isoloco.sync.sparseloco`), and
+    own (`isoloco.sync.slowlink.mean_wire_bytes`, or SparseLoCo's `isoloco.sync.sparseloco.sparseloco_wire_bytes`), and
     float32's mean for the same model and layout, of the parameters `names` shaped `shapes` (the
     names say which matrices merge.compress_exclude keeps whole), over `islands` islands whose
     processes each carry one of `slices` equal slices. The merge's model is the mean's
@@ -83,13 +85,14 @@ class SlowLinkModel:
     def of(cls, cfg: TrainConfig, names: list[str], shapes: list[torch.Size], islands: int,
            slices: int) -> "SlowLinkModel":
         merge, tiling = cfg.merge, cfg.outer.tiling
-        float32 = wire_bytes_per_merge(shapes, MergeConfig(bucket_mb=merge.bucket_mb), islands, slices=slices)
+        float32 = mean_wire_bytes(shapes, None, merge.bucket_bytes, islands, slices=slices)
         if tiling is not None:
-            return cls(sparseloco.wire_bytes_per_merge(shapes, tiling, islands, cfg.workers // islands) / slices,
+            return cls(sparseloco.sparseloco_wire_bytes(shapes, tiling, islands, cfg.workers // islands) / slices,
                        float32)
         if [phase.collective for phase in RULES[merge.rule].phases((256, 256), 2, merge.knobs)] != ["sum"]:
             return cls(None, None)
-        return cls(wire_bytes_per_merge(shapes, merge, islands, names, slices), float32)
+        return cls(mean_wire_bytes(shapes, merge.lossy_compression, merge.bucket_bytes, islands, names, slices),
+                   float32)
 
 
 class Algorithm(ABC):
@@ -410,9 +413,7 @@ class DiLoCo(Algorithm):
         if not worker.residual:
             return
         offload.settle()  # copies back to host memory, read here
-        # A tensor's extremes are finite exactly when all its entries are (a norm may overflow).
-        extremes = torch.stack([torch.stack(torch.aminmax(residual)) for residual in worker.residual])
-        finite = torch.isfinite(extremes).all(dim=1).tolist()
+        finite = finite_each(worker.residual).tolist()  # by their extremes: a norm may overflow
         for residual, ok in zip(worker.residual, finite):
             if not ok:
                 logger.warning("worker %d's error-feedback residual is not finite: zeroed", worker.index)

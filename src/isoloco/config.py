@@ -30,7 +30,7 @@ from isoloco.errors import ConfigError
 from isoloco.data import DataConfig
 from isoloco.distributed import DistConfig
 from isoloco.inner import InnerConfig
-from isoloco.merge import MergeConfig
+from isoloco.merge_config import MergeConfig
 from isoloco.methods import METHODS
 from isoloco.model import MODEL_PRESETS, llama_config
 from isoloco.outer import OuterConfig, validate_combination

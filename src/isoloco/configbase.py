@@ -8,6 +8,7 @@ A bad value raises `ConfigError` (`isoloco.errors`), naming the key and what is 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from typing import Any, Iterable
 
 from isoloco.errors import ConfigError
@@ -55,3 +56,9 @@ def check_choices(section: str, config: Any) -> None:
         if "choices" in field.metadata:
             key = f"{section}.{field.name}" if section else field.name
             check_choice(key, getattr(config, field.name), field.metadata["choices"])
+
+
+def name_matches(name: str, patterns: Iterable[str]) -> bool:
+    """Whether parameter `name` matches one of the fnmatch `patterns` (case-sensitive): what
+    `merge.exclude` and `merge.compress_exclude` name."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)

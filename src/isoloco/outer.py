@@ -21,7 +21,8 @@ import torch
 from isoloco.comm import Communicator
 from isoloco.configbase import check_choices, check_positive, check_range, option
 from isoloco.errors import ConfigError
-from isoloco.merge import MergeConfig, Merger, Participation, _first_non_finite, _raise_non_finite
+from isoloco.merge import Merger, refuse_non_finite
+from isoloco.merge_config import MergeConfig, Participation
 from isoloco.ortho import IsoSettings, iso_correct
 from isoloco.spectra import SpectraProbe
 from isoloco.sync.handles import Steps, Sync, run_to_end
@@ -342,10 +343,8 @@ class OuterStep:
         arrived = None if participation is None else participation.arrived
         local = [index for index, worker in enumerate(self.comm.local_worker_ids)
                  if arrived is None or worker in arrived]
-        if local:
-            bad = _first_non_finite([[deltas[index] for index in local] for deltas in local_deltas.values()])
-            if bad is not None:
-                _raise_non_finite(list(local_deltas)[bad[0]], self.comm.local_worker_ids[local[bad[1]]], round)
+        refuse_non_finite({name: [deltas[index] for index in local] for name, deltas in local_deltas.items()},
+                          [self.comm.local_worker_ids[index] for index in local], round)
         means = sparseloco_mean(self.comm, local_deltas, accumulators, self.tiling, self.decay, arrived, fetch)
         return Sync(self._finalized(means), 1)
 

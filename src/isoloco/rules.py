@@ -39,7 +39,7 @@ class WorkerSlot:
     mask_key: int  # DARE: the key of this worker's mask for this parameter and round
     memo: dict[str, Any]  # kept for this worker and parameter from one phase to the next
     #: c_r, the worker's share of the merge: the engine hands `contribute` c_r·Δ_r already
-    #: (`isoloco.merge.Participation`); a rule that counts entries counts c_r instead of 1.
+    #: (`isoloco.merge_config.Participation`); a rule that counts entries counts c_r instead of 1.
     weight: float = 1.0
 
 
@@ -60,7 +60,7 @@ class Phase:
 
 @dataclasses.dataclass(frozen=True)
 class Knobs:
-    """The settings a rule reads (from `isoloco.merge.MergeConfig`)."""
+    """The settings a rule reads (from `isoloco.merge_config.MergeConfig`)."""
 
     density: float = 0.9
     drop_rate: float = 0.1

@@ -31,7 +31,8 @@ from isoloco.bench.table import Table, ratio
 from isoloco.bench.timing import interleaved
 from isoloco.bench.workload import trained_deltas
 from isoloco.comm import LocalCommunicator
-from isoloco.merge import MergeConfig, Merger
+from isoloco.merge import Merger
+from isoloco.merge_config import MergeConfig
 from isoloco.ortho import FACTOR_PATHS, FactorSettings, _randomized_svd, null_rtol, top_factors
 
 #: Every merge rule, in the order the tables list them.

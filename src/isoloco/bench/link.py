@@ -38,15 +38,19 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+import torch
+
 from isoloco.bench import island_compute
 from isoloco.bench.comm import job_config, join_job, spawn_job
 from isoloco.bench.workload import parameter_shapes, worker_deltas
 from isoloco.bench.table import Table, kibibytes, megabytes
 from isoloco.config import resolve
 from isoloco.distributed import Distributed, process_group
-from isoloco.merge import MergeConfig, Merger, wire_bytes_per_merge
+from isoloco.merge import Merger
+from isoloco.merge_config import MergeConfig
 from isoloco.sync.codec import Quantization, wire_nbytes
 from isoloco.sync.cost import Link, wire_bytes
+from isoloco.sync.slowlink import mean_wire_bytes
 from isoloco.trainer import Trainer
 
 METHODS = ("diloco", "isoloco")
@@ -198,7 +202,13 @@ def _count_island_bytes(rank: int, world_size: int, port: int, workers_list: tup
 def predicted_wire_bytes(islands: int, fmt: str) -> float:
     """The cost model's cross-island wire bytes per process of one merge of the `tiny` model's
     sum over `islands` islands of one process: a float32 all-reduce, or the compressed sum, per bucket."""
-    return wire_bytes_per_merge([shape for _, shape in parameter_shapes("tiny")], MergeConfig(quantize=fmt), islands)
+    return modelled([shape for _, shape in parameter_shapes("tiny")], MergeConfig(quantize=fmt), islands)
+
+
+def modelled(shapes: list[torch.Size], cfg: MergeConfig, islands: int) -> float:
+    """The cost model's cross-island wire bytes per process of one merge by the mean of tensors
+    of `shapes` under `cfg`, over `islands` islands of one process."""
+    return mean_wire_bytes(shapes, cfg.lossy_compression, cfg.bucket_bytes, islands)
 
 
 def _key(method: str, link: tuple[float, float], bucketing: str, quantize: str, tau: int) -> str:
@@ -268,16 +278,16 @@ def compress_table(results: dict[str, dict[str, float]]) -> Table:
         cells = []
         for p in measured_at:
             wire, float32 = (results[f"compress|{p}|{p}|{name}"]["wire"] for name in (label, "float32"))
-            predicted = wire_bytes_per_merge([shape for _, shape in parameter_shapes("tiny")], MergeConfig(**keys), p)
+            predicted = modelled([shape for _, shape in parameter_shapes("tiny")], MergeConfig(**keys), p)
             cells.append(f"{kibibytes(wire)} ({kibibytes(predicted)}), {float32 / wire:.1f}×")
         for model, p in COMPRESS_COMPUTED:
-            wire, float32 = (wire_bytes_per_merge(shapes[model], MergeConfig(**k), p) for k in (keys, {}))
+            wire, float32 = (modelled(shapes[model], MergeConfig(**k), p) for k in (keys, {}))
             cells.append(f"{kibibytes(wire)}, {float32 / wire:.1f}×")
         table.add(label, *cells)
     table.notes.append(
         "One merge (mean) of the model's deltas over P islands of one gloo process each; measured: "
         "`wire_bytes_cross_island` averaged over the processes; predicted and computed: the cost model "
-        "(`isoloco.merge.wire_bytes_per_merge`), for the same buckets. ×float32: how many times fewer bytes "
+        "(`isoloco.sync.slowlink.mean_wire_bytes`), for the same buckets. ×float32: how many times fewer bytes "
         "than float32's ring all-reduce. Vectors travel under merge.quantize in every setting. Low rank sends "
         "two compressed sums (of the m×k and n×k factors), flat in R; its ratio falls with P where a factor has "
         "fewer scale groups than there are islands (whole groups are not split among the P owners, and the "

@@ -19,9 +19,10 @@ import torch
 from isoloco.bench.table import Table, ratio
 from isoloco.bench.timing import interleaved
 from isoloco.comm import LocalCommunicator
-from isoloco.merge import MergeConfig, Merger
+from isoloco.merge import Merger
 
 #: The compressed merges timed: int8 with error feedback, and both structured compressors.
+from isoloco.merge_config import MergeConfig
 CASES = {"int8 + error feedback": {"quantize": "int8", "error_feedback": True},
          "low rank 4 + error feedback": {"compress": "lowrank", "compress_rank": 4, "error_feedback": True},
          "top-k 3% + error feedback": {"compress": "topk", "compress_density": 0.03, "error_feedback": True}}

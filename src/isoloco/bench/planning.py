@@ -45,7 +45,7 @@ from isoloco.bench.timing import interleaved
 from isoloco.bench.workload import parameter_shapes, simulator
 from isoloco.sync.cost import Link
 from isoloco.sync.plan import buckets
-from isoloco.merge import MergeConfig
+from isoloco.merge_config import MergeConfig
 from isoloco.model import MODEL_PRESETS
 
 #: Bytes per value of a gradient or pseudo-gradient (float32).

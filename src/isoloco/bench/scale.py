@@ -35,7 +35,8 @@ from isoloco.bench.table import Table, ratio
 from isoloco.bench.timing import interleaved
 from isoloco.bench.workload import parameter_shapes
 from isoloco.comm import LocalCommunicator, nbytes
-from isoloco.merge import MergeConfig, Merger
+from isoloco.merge import Merger
+from isoloco.merge_config import MergeConfig
 from isoloco.ortho import FactorSettings, iso_correct
 
 FULL = {"memory_shape": (32000, 1024), "memory_workers": (8, 32, 128), "timing_workers": 16, "vocab": True,

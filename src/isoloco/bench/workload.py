@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 
 from isoloco.config import resolve
 from isoloco.data import DataConfig
-from isoloco.merge import MergeConfig
+from isoloco.merge_config import MergeConfig
 from isoloco.model import llama_config
 from isoloco.outer import OuterConfig
 from isoloco.trainer import Trainer

@@ -25,12 +25,12 @@ island at a time (offloaded from a GPU, stored without the host waiting: `isoloc
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import math
 from typing import Callable, Sequence
 
 import torch
 
+from isoloco.configbase import name_matches
 from isoloco.sync import offload
 from isoloco.sync.codec import Quantization
 from isoloco.sync.compressed import ChunkPlan, Rounding, island_sum
@@ -55,7 +55,7 @@ class Compression:
         """Whether a sum of parameter `name`'s `shape` travels through `compress` (matrices
         only, and not those `exclude` names; vectors stay whole)."""
         return (self.compress != "none" and len(shape) == 2
-                and not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.exclude))
+                and not name_matches(name, self.exclude))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +63,8 @@ class PhasePlan:
     """The plan of one bucket's compressed sum phase over `islands` islands of `slices`
     processes each: which tensors take which sum, each sum's own plan, and from those alone the
     phase's stages (its longest sum's) and bytes (theirs added up). `island_phase` runs it, the
-    merge counts its stages and bytes with it, and the cost model (`isoloco.merge.wire_bytes_per_merge`)
-    adds up its bytes: one plan for all three."""
+    slow link counts its stages and bytes with it, and the cost model
+    (`isoloco.sync.slowlink.mean_wire_bytes`) adds up its bytes: one plan for all three."""
 
     shapes: tuple[torch.Size, ...]
     #: (tensor indices, their sum's plan): the dense sum, then the structured one (low rank or top-k).

@@ -268,8 +268,8 @@ def sparseloco_mean(comm: Communicator, deltas: Mapping[str, Sequence[torch.Tens
     return merged
 
 
-def wire_bytes_per_merge(shapes: Sequence[Sequence[int]], tiling: Tiling, islands: int,
-                         workers_per_island: int = 1) -> float:
+def sparseloco_wire_bytes(shapes: Sequence[Sequence[int]], tiling: Tiling, islands: int,
+                          workers_per_island: int = 1) -> float:
     """The slow-link bytes one process puts on the link in one SparseLoCo merge of tensors of
     `shapes` over `islands` islands of one process each (the cost model's all-gather of its
     workers' blobs): what the metrics' `wire_bytes_cross_island` counts."""

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from isoloco.merge import MergeConfig
+from isoloco.merge_config import MergeConfig
 from isoloco.outer import OuterConfig, build_outer_optimizer, validate_combination
 
 #: The rules that are a function of the groups' mean, which torchft's own all-reduce carries

@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from isoloco.comm import Communicator
 from isoloco.errors import ConfigError
-from isoloco.merge import MergeConfig, Merger
+from isoloco.merge import Merger
+from isoloco.merge_config import MergeConfig
 from isoloco.torchft import internals
 from isoloco.torchft.optimizer import merges_in_quorum
 

@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 
 from isoloco.errors import ConfigError
-from isoloco.merge import MergeConfig
+from isoloco.merge_config import MergeConfig
 from isoloco.methods import METHODS
 from isoloco.outer import OuterConfig, validate_combination
 from isoloco.torchft import MEAN_RULES
