@@ -77,7 +77,8 @@ from isoloco.bench.ortho import benchmark_shape
 from isoloco.bench.workload import matrix_shapes
 from isoloco.config import DEFAULT_PRESET, resolve
 from isoloco.methods import METHODS
-from isoloco.ortho import IsoSettings, iso_correct, null_rtol
+from isoloco.ortho import IsoSettings, iso_correct
+from isoloco.svd import null_rtol
 from isoloco.rundir import CHECKPOINT_DIR, METRICS_FILE
 from isoloco.trainer import Trainer
 

@@ -1,6 +1,6 @@
 """`merge.factors=auto`'s accuracy guard: TSV and Iso-CTS keep the randomized range finder's
 factors only where an a-posteriori estimate puts them within the fidelity bar, and take the
-exact ones elsewhere (`isoloco.ortho._Found.accurate`; docs/fidelity.md)."""
+exact ones elsewhere (`isoloco.factors._Found.accurate`; docs/fidelity.md)."""
 
 import math
 from collections import Counter
@@ -10,7 +10,8 @@ import torch
 
 from isoloco import merge, merge_config, merge_functions, rules
 from isoloco.comm import LocalCommunicator
-from isoloco.ortho import FACTOR_PATHS, FINDER_TOLERANCE, FactorSettings, gram_svd, top_factors
+from isoloco.factors import FACTOR_PATHS, FINDER_TOLERANCE, FactorSettings, top_factors
+from isoloco.svd import gram_svd
 from helpers import SMALL_ARGS
 from test_merge import reference_iso_cts, reference_tsv
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from helpers import SMALL_ARGS
-from isoloco import merge_config, merge_functions, ortho
+from isoloco import merge_config, merge_functions, svd
 from isoloco.cli import main
-from isoloco.ortho import FactorSettings, fast_bfloat16, full_float32_matmuls
+from isoloco.factors import FactorSettings, fast_bfloat16
+from isoloco.svd import full_float32_matmuls
 
 CPU = torch.device("cpu")
 
@@ -83,8 +84,8 @@ def test_the_merge_pins_full_float32_matmuls_and_restores_the_hosts_setting(monk
         assert seen == [["ieee", "ieee"]] * 2
         assert settings() == ["tf32", "bf16"]
 
-        svd = ortho._svd
-        monkeypatch.setattr(ortho, "_svd", lambda matrix: (seen.append(settings()), svd(matrix))[1])
+        lapack_svd = svd.lapack_svd
+        monkeypatch.setattr(svd, "lapack_svd", lambda matrix: (seen.append(settings()), lapack_svd(matrix))[1])
         seen.clear()
         merge_functions.tsv([torch.randn(64, 48, generator=torch.Generator().manual_seed(i)) for i in range(4)])
         assert seen and all(inside == ["ieee", "ieee"] for inside in seen)

@@ -643,7 +643,7 @@ def test_randomized_factors_match_the_exact_ones_where_auto_takes_them(finder_dt
 
 
 def test_the_finder_dtype_names_map_to_dtypes():
-    from isoloco.ortho import FactorSettings, fast_bfloat16
+    from isoloco.factors import FactorSettings, fast_bfloat16
 
     cpu = torch.device("cpu")
     assert FactorSettings(finder_dtype="float32").early_dtype(cpu) == torch.float32
@@ -658,7 +658,7 @@ def test_early_iterations_in_bfloat16_differ_from_float32_ones_only_by_rounding(
     """The range finder's bfloat16 iterations (which re-orthonormalise only the short side)
     change which basis the last, float32 one starts from, not what it converges to: the
     factors agree far below the 1e-3 bar, on tall and wide matrices."""
-    from isoloco.ortho import FactorSettings, top_factors
+    from isoloco.factors import FactorSettings, top_factors
 
     g = torch.Generator().manual_seed(1)
     u = torch.linalg.qr(torch.randn(shape[0], 48, generator=g))[0]
@@ -678,7 +678,8 @@ def test_the_polar_factor_beside_an_orthonormal_block_is_the_whole_one(shape, ou
     side: each residual was projected off U_c) or not (the V side), with a null column and a
     column inside L's span: the small problem every method but exact solves gives the whole
     [L, X]'s polar factor; exact orthogonalises the whole and agrees to float32 rounding."""
-    from isoloco.ortho import FactorSettings, polar_svd
+    from isoloco.factors import FactorSettings
+    from isoloco.svd import polar_svd
 
     g = torch.Generator().manual_seed(0)
     rows, cols = shape

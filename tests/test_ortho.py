@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from isoloco import ortho
+from isoloco import newton_schulz, ortho, svd
 METHODS = list(ortho.POLAR_METHODS)
 SVD = ortho.IsoSettings(ortho="svd")  # the exact reference
 SCALES = list(ortho.SCALE_METHODS)
@@ -42,7 +42,7 @@ def test_svd_iso_c_matches_numpy(shape):
     u, s, vh = np.linalg.svd(matrix.numpy(), full_matrices=False)
     expected = s.mean() * (u @ vh)
 
-    polar = ortho.polar_svd(matrix)
+    polar = svd.polar_svd(matrix)
     np.testing.assert_allclose(polar.factor.numpy(), u @ vh, atol=1e-12)
     np.testing.assert_allclose(polar.singular_values.numpy(), s, rtol=1e-12)
     np.testing.assert_allclose(ortho.iso_correct(matrix, SVD).numpy(), expected, atol=1e-12)
@@ -51,7 +51,7 @@ def test_svd_iso_c_matches_numpy(shape):
 @pytest.mark.parametrize("shape", [(96, 40), (40, 96), (64, 64)])
 def test_gram_matches_svd(shape):
     matrix = signal_plus_noise(*shape)
-    exact, gram = ortho.polar_svd(matrix), ortho.polar_gram(matrix)
+    exact, gram = svd.polar_svd(matrix), svd.polar_gram(matrix)
     assert relative_error(gram.factor, exact.factor) < 1e-4
     assert relative_error(gram.singular_values, exact.singular_values) < 1e-4
     assert relative_error(ortho.iso_correct(matrix, ortho.IsoSettings("gram")), ortho.iso_correct(matrix, SVD)) < 1e-4
@@ -59,7 +59,7 @@ def test_gram_matches_svd(shape):
 
 def test_singular_values_match_svdvals():
     matrix = signal_plus_noise(80, 30)
-    torch.testing.assert_close(ortho.singular_values(matrix), torch.linalg.svdvals(matrix), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(svd.singular_values(matrix), torch.linalg.svdvals(matrix), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [(12, 8), (8, 12)])
@@ -138,18 +138,18 @@ def test_iterative_singular_values_in_band(method, steps, dtype, low, high, shap
 
 def test_polar_express_converges_closer_than_newton_schulz():
     matrix = signal_plus_noise(64, 96)
-    exact = ortho.polar_svd(matrix).factor
-    ns = ortho.polar_newton_schulz(matrix, dtype=torch.float32).factor
-    pe = ortho.polar_express(matrix, dtype=torch.float32).factor
+    exact = svd.polar_svd(matrix).factor
+    ns = newton_schulz.polar_newton_schulz(matrix, dtype=torch.float32).factor
+    pe = newton_schulz.polar_express(matrix, dtype=torch.float32).factor
     assert relative_error(pe, exact) < relative_error(ns, exact)
 
 
 def test_polar_express_schedule():
-    coefficients = ortho.POLAR_EXPRESS_COEFFICIENTS
+    coefficients = newton_schulz.POLAR_EXPRESS_COEFFICIENTS
     assert len(coefficients) == 8
     assert coefficients[-1] == (1.875, -1.25, 0.375)  # the limit polynomial, unscaled
     a, b, c = coefficients[0]
-    s = ortho.POLAR_EXPRESS_SAFETY
+    s = newton_schulz.POLAR_EXPRESS_SAFETY
     assert (a * s, b * s**3, c * s**5) == pytest.approx((8.28721201814563, -23.595886519098837, 17.300387312530933))
     # Composed on scalars, the schedule sends all of [1e-3, 1]/safety to 1: within 0.85..1.13
     # after the 5 steps Muon budgets, and to 2e-5 after 7.
@@ -165,8 +165,8 @@ def test_polar_express_schedule():
 def test_scale_estimators_are_as_defined():
     matrix = signal_plus_noise(30, 50)
     sigma = torch.linalg.svdvals(matrix.double())
-    exact_polar = ortho.polar_svd(matrix)
-    ns_polar = ortho.polar_newton_schulz(matrix)
+    exact_polar = svd.polar_svd(matrix)
+    ns_polar = newton_schulz.polar_newton_schulz(matrix)
     r = 30
     mean = (sigma.sum() / r).item()
     assert ortho.scale_exact(matrix, exact_polar).item() == pytest.approx(mean, rel=1e-5)
@@ -214,7 +214,7 @@ def test_svd_failure_retries_in_float64(monkeypatch, caplog):
 
     monkeypatch.setattr(torch.linalg, "svd", flaky_svd)
     matrix = signal_plus_noise(9, 5)
-    with caplog.at_level("WARNING", logger="isoloco.ortho"):
+    with caplog.at_level("WARNING", logger="isoloco.svd"):
         result = ortho.iso_correct(matrix, SVD)
     assert "retrying in float64" in caplog.text
     assert result.dtype == torch.float32
@@ -236,7 +236,7 @@ def test_user_errors():
 
 
 def test_auto_takes_gram_for_non_square_and_svd_for_square_matrices():
-    from isoloco.ortho import polar_auto, polar_gram, polar_svd
+    from isoloco.svd import polar_auto, polar_gram, polar_svd
 
     generator = torch.Generator().manual_seed(0)
     tall = torch.randn(96, 32, generator=generator)
@@ -254,10 +254,10 @@ def test_gram_space_iteration_applies_the_same_polynomial(monkeypatch, method, s
     """Very wide (or tall) matrices iterate on their Gram matrix on CPU: same steps, same result."""
     generator = torch.Generator().manual_seed(0)
     matrix = torch.randn(*shape, generator=generator, dtype=torch.float64)
-    assert max(shape[-2:]) >= ortho.NS_GRAM_SPACE_MIN_ASPECT * min(shape[-2:])
+    assert max(shape[-2:]) >= newton_schulz.NS_GRAM_SPACE_MIN_ASPECT * min(shape[-2:])
     in_gram_space = ortho.orthogonalize(matrix, method, ns_steps=5, ns_dtype=torch.float64).factor
     bf16_in_gram_space = ortho.orthogonalize(matrix.float(), method, ns_steps=5, ns_dtype=torch.bfloat16).factor
-    monkeypatch.setattr(ortho, "NS_GRAM_SPACE_MIN_ASPECT", math.inf)
+    monkeypatch.setattr(newton_schulz, "NS_GRAM_SPACE_MIN_ASPECT", math.inf)
     on_the_matrix = ortho.orthogonalize(matrix, method, ns_steps=5, ns_dtype=torch.float64).factor
     torch.testing.assert_close(in_gram_space, on_the_matrix, rtol=0, atol=1e-10)
     # In bfloat16 the Gram route is closer to the exact polynomial than iterating on X (its
@@ -279,7 +279,7 @@ def spectrum_of(matrix: torch.Tensor) -> torch.Tensor:
 
 def paper_iso_c(matrix: torch.Tensor, settings: ortho.IsoSettings) -> torch.Tensor:
     """Iso-C as `iso_correct` computed it before the variants existed: scale · polar factor."""
-    polar = ortho.orthogonalize(matrix, settings.ortho, settings.ns_steps, ortho.NS_DTYPES[settings.ns_dtype])
+    polar = ortho.orthogonalize(matrix, settings.ortho, settings.ns_steps, newton_schulz.NS_DTYPES[settings.ns_dtype])
     return polar.factor * ortho.SCALE_METHODS[settings.scale](matrix, polar).to(matrix.dtype)[..., None, None]
 
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from isoloco.comm import LocalCommunicator
 from isoloco.config import resolve
 from isoloco.errors import ConfigError
-from isoloco.ortho import null_rtol
+from isoloco.svd import null_rtol
 from isoloco.outer import OuterStep
 from isoloco.torchtitan.settings import OuterSettings
 
@@ -162,7 +162,7 @@ import json, sys
 import torchtitan_cpu; torchtitan_cpu.patch_for_cpu()
 from torchtitan.config import ConfigManager
 from isoloco.errors import ConfigError
-from isoloco.ortho import null_rtol
+from isoloco.svd import null_rtol
 from isoloco.torchtitan import config_registry
 from isoloco.torchtitan.trainer import check_recipe
 found = {"configs": {}, "refused": {}}

@@ -36,7 +36,7 @@ from isoloco.inner import InnerOptimizer, pinned_zeros_like
 from isoloco.merge import finite_each
 from isoloco.merge_config import Participation
 from isoloco.rules import RULES
-from isoloco.ortho import FACTOR_PATHS
+from isoloco.factors import FACTOR_PATHS
 from isoloco.outer import OuterStep
 from isoloco.sync import offload, sparseloco
 from isoloco.sync.handles import Steps, Sync, run_to_end

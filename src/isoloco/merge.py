@@ -135,7 +135,7 @@ class Merger:
         self.cfg = cfg
         self.comm = comm
         self.seed = seed
-        #: How many workers' factors took each `ortho.FACTOR_PATHS` path (TSV, Iso-CTS) since it was last cleared.
+        #: How many workers' factors took each `factors.FACTOR_PATHS` path (TSV, Iso-CTS) since it was last cleared.
         self.factor_paths: Counter = Counter()
         self._knobs = dataclasses.replace(cfg.knobs, factor_paths=self.factor_paths)
         self._rule = RULES[cfg.rule]
@@ -156,7 +156,8 @@ class Merger:
         at a time, once per phase, and the fetched copy is dropped before the next. `round`
         names the synchronisation in errors and keys DARE's masks (None counts as 0).
 
-        With `merge.quantize`, a sum crosses the link compressed (`isoloco.sync.compressed`);
+        With `merge.quantize` or `merge.compress`, a sum crosses the link compressed
+        (`isoloco.sync.slowlink`);
         `residuals` (with `merge.error_feedback`: per parameter, indexed by local worker like the
         deltas) hold what earlier compressions lost and are updated in place; only those of
         `link.heads` are read, so a list of one per local worker or a mapping from the heads'

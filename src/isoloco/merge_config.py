@@ -13,8 +13,9 @@ import torch
 
 from isoloco.configbase import check_at_least, check_choices, check_positive, check_range, name_matches, option
 from isoloco.errors import ConfigError
-from isoloco.ortho import (FACTOR_METHODS, FINDER_DTYPES, NS_DTYPES, POLAR_METHODS, SCALE_METHODS, FactorSettings,
-                           IsoSettings, spectrum_knob_problem)
+from isoloco.factors import FACTOR_METHODS, FINDER_DTYPES, FactorSettings
+from isoloco.newton_schulz import NS_DTYPES
+from isoloco.ortho import POLAR_METHODS, SCALE_METHODS, IsoSettings, spectrum_knob_problem
 from isoloco.rules import RULES, Knobs
 from isoloco.sync.codec import FORMATS, SCALE_GROUPS, Quantization, carry_refusal
 from isoloco.sync.phase import Compression

@@ -27,7 +27,9 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from isoloco.ortho import FactorSettings, IsoSettings, full_float32_matmuls, iso_correct, top_factors
+from isoloco.factors import FactorSettings, top_factors
+from isoloco.ortho import IsoSettings, iso_correct
+from isoloco.svd import full_float32_matmuls
 
 
 @dataclasses.dataclass
@@ -67,7 +69,7 @@ class Knobs:
     common_fraction: float = 0.8
     iso: IsoSettings = IsoSettings()
     factors: FactorSettings = FactorSettings()
-    #: Where TSV and Iso-CTS count the path each worker's factors took (`ortho.FACTOR_PATHS`).
+    #: Where TSV and Iso-CTS count the path each worker's factors took (`factors.FACTOR_PATHS`).
     factor_paths: Counter | None = dataclasses.field(default=None, compare=False)
 
 
@@ -328,7 +330,7 @@ class Rule:
     phases: Callable[[torch.Size, int, Knobs], list[Phase]]
     spectral: bool = False
     finalize: Callable[[torch.Tensor, Knobs], torch.Tensor] | None = None
-    factored: bool = False  # each worker sends its top singular triplets (`ortho.top_factors`)
+    factored: bool = False  # each worker sends its top singular triplets (`factors.top_factors`)
 
 
 RULES: dict[str, Rule] = {

@@ -5,11 +5,11 @@ every rule on recorded pseudo-gradients.
   signal shared by the workers plus 0.3 of each one's own Gaussian noise (`--quick`: 512×1344),
   and on deltas where the finder runs to the end and is turned down (`slowly_decaying`).
   Seconds of TSV and Iso-CTS with each setting, the best and the worst of the repeats (the
-  rules in turns), Iso-C's for scale, the paths auto's factors took (`ortho.FACTOR_PATHS`) and
+  rules in turns), Iso-C's for scale, the paths auto's factors took (`factors.FACTOR_PATHS`) and
   both settings' distance to the float64 definition.
 * **The stop against the certificate**: how often the finder's stop after one iteration
   agrees with the certificate after three, over synthetic spectra.
-* **The finder against LAPACK's SVD by rank**: where `ortho.RANDOMIZED_MIN_RANK` sits.
+* **The finder against LAPACK's SVD by rank**: where `factors.RANDOMIZED_MIN_RANK` sits.
 * **Every rule on recorded pseudo-gradients**: one round's deltas of a `repro-cpu` run (its
   tiny model, IsoLoCo, R = 8 and 16), recorded once into `runs/pseudo-gradients/` and read
   from there after. Seconds of each rule's merge of the whole model ÷ Iso-C's, the spread of
@@ -33,9 +33,10 @@ from isoloco.bench.workload import trained_deltas
 from isoloco.comm import LocalCommunicator
 from isoloco.merge import Merger
 from isoloco.merge_config import MergeConfig
-from isoloco.ortho import FACTOR_PATHS, FactorSettings, _randomized_svd, null_rtol, top_factors
+from isoloco.factors import FACTOR_PATHS, FactorSettings, _randomized_svd, top_factors
 
 #: Every merge rule, in the order the tables list them.
+from isoloco.svd import null_rtol
 RULE_NAMES = ("mean", "dare", "ties", "iso_c", "tsv", "iso_cts")
 #: The run whose pseudo-gradients are recorded: `repro-cpu`'s method and the round taken.
 RECORDED = {"preset": "repro-cpu", "method": "isoloco", "round": 4}
@@ -151,8 +152,8 @@ def stop_cases(shape: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor, int]
 
 
 def stop_against_check(shapes: list[tuple[int, int]]) -> Table:
-    """How often the finder's stop after one iteration (`ortho._hopeless`) agrees with the
-    certificate it predicts (`ortho._Found.accurate` after the whole finder)."""
+    """How often the finder's stop after one iteration (`factors._hopeless`) agrees with the
+    certificate it predicts (`factors._Found.accurate` after the whole finder)."""
     settings = FactorSettings()
     outcomes = Counter()
     for shape in shapes:

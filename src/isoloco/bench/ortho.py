@@ -24,9 +24,11 @@ import torch
 from isoloco.bench.table import Table, ratio
 from isoloco.bench.timing import interleaved
 from isoloco.bench.workload import CPU_PRESETS, PAPER_PRESETS, matrix_shapes, pseudo_gradient, vocab_size
-from isoloco.ortho import NS_DTYPES, SCALE_METHODS, IsoSettings, iso_correct, orthogonalize, singular_values
+from isoloco.newton_schulz import NS_DTYPES
 
 #: (label, ortho method, iteration dtype, scale estimators); exact SVD Iso-C is the reference.
+from isoloco.ortho import SCALE_METHODS, IsoSettings, iso_correct, orthogonalize
+from isoloco.svd import singular_values
 REFERENCE = ("svd", "svd", "float32", ["exact"])
 FAST_PATHS = [
     ("gram", "gram", "float32", ["exact"]),

@@ -37,7 +37,8 @@ from isoloco.bench.workload import parameter_shapes
 from isoloco.comm import LocalCommunicator, nbytes
 from isoloco.merge import Merger
 from isoloco.merge_config import MergeConfig
-from isoloco.ortho import FactorSettings, iso_correct
+from isoloco.factors import FactorSettings
+from isoloco.ortho import iso_correct
 
 FULL = {"memory_shape": (32000, 1024), "memory_workers": (8, 32, 128), "timing_workers": 16, "vocab": True,
         "restore_workers": (16, 64)}
