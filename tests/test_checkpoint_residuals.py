@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from isoloco import checkpoint as ckpt
-from isoloco.algorithms import workers_file
 from isoloco.config import resolve
 from isoloco.distributed import Distributed, process_group
 from isoloco.errors import CheckpointError
@@ -31,7 +30,7 @@ def _old_format(checkpoint: Path, islands: int, workers: int) -> None:
     state = ckpt.verify(checkpoint)
     per_island = workers // islands
     for island in range(islands):
-        stem = workers_file(island)
+        stem = ckpt.workers_file(island)
         tensors = ckpt.load_tensors(checkpoint, stem)
         head = island * per_island
         kept = {key[len(f"w{head}."):]: tensor for key, tensor in tensors.items()
@@ -68,7 +67,7 @@ def _residual_runs(rank: int, world_size: int, port: int, root: str) -> None:
         again.run(resume=True)
         # A nonzero residual of a worker whose residual is never read is state the run would lose.
         checkpoint = resumed / "checkpoints" / "step_00000003"
-        stem, worker = workers_file(rank), 2 * rank + 1
+        stem, worker = ckpt.workers_file(rank), 2 * rank + 1
         key = f"w{worker}.residual.{again.named_params[0][0]}"
 
         def load(file: str) -> dict[str, torch.Tensor]:

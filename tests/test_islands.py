@@ -247,7 +247,6 @@ def test_a_checkpoint_waits_for_the_copies_back_before_it_reads_the_residuals(tm
     its way when a checkpoint is written: the checkpoint waits for it (`offload.settle`) and holds
     what landed. Played on the CPU: the copy lands when its event is waited for."""
     from isoloco import checkpoint as ckpt
-    from isoloco.algorithms import workers_file
     from isoloco.config import resolve
     from isoloco.sync import offload
     from isoloco.trainer import Trainer
@@ -278,7 +277,7 @@ def test_a_checkpoint_waits_for_the_copies_back_before_it_reads_the_residuals(tm
     monkeypatch.setattr(Trainer, "save", save_with_copies_on_their_way)
     monkeypatch.setattr(offload, "_pending", {})  # this test's copies only, whatever it ends with
     trainer.run()
-    saved = ckpt.load_tensors(ckpt.latest_checkpoint(tmp_path / "checkpoints"), workers_file(0))
+    saved = ckpt.load_tensors(ckpt.latest_checkpoint(tmp_path / "checkpoints"), ckpt.workers_file(0))
     residuals = {key: tensor for key, tensor in saved.items() if ".residual." in key}
     assert residuals and all(bool((tensor == 7.0).all()) for tensor in residuals.values())
     assert not offload._pending

@@ -16,8 +16,9 @@ from isoloco.errors import ConfigError
 from isoloco.outer import OuterConfig, OuterStep
 from isoloco.model import build_model
 from isoloco.report import load_runs, write_report
+from isoloco.report.spectra import read_spectra, write_spectra_plots
 from isoloco.spectra import (QUANTITIES, disagreements, mean_pairwise_cosine, nonzero_singular_values, sigma_ratio,
-                             read_spectra, stable_rank, unit_sum, write_spectra_plots)
+                             stable_rank, unit_sum)
 from isoloco.trainer import Trainer
 import helpers
 from helpers import SMALL_ARGS, final_params

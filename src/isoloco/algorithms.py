@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from isoloco import checkpoint as ckpt
 from isoloco.comm import LINK_COUNTS
 from isoloco.config import TrainConfig
 from isoloco.data import Batches
@@ -510,7 +511,7 @@ class DiLoCo(Algorithm):
     def load_checkpoint_files(self, load: Callable[[str], Mapping[str, torch.Tensor]]) -> None:
         self.outer.load_state_dict(load(OUTER_FILE))
         if self.feedback:
-            self._check_unread_residuals(load(workers_file(self.dist.layout.island)))
+            self._check_unread_residuals(load(ckpt.workers_file(self.dist.layout.island)))
         if self.in_flight is not None:
             # Checkpoints follow a synchronisation: with overlap, every worker has yet to land it.
             saved = load(OVERLAP_FILE)
@@ -535,11 +536,6 @@ class DiLoCo(Algorithm):
 
 def _residual_key(worker: int, name: str) -> str:
     return f"w{worker}.residual.{name}"
-
-
-def workers_file(island: int) -> str:
-    """The checkpoint file holding the state of island `island`'s workers."""
-    return f"workers-{island}"
 
 
 def build_algorithm(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Parameter]], dist: Distributed,

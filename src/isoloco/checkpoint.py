@@ -37,6 +37,11 @@ _PREFIX = "step_"
 _TMP_PREFIX = ".tmp-"
 
 
+def workers_file(island: int) -> str:
+    """The checkpoint file holding the state of island `island`'s workers."""
+    return f"workers-{island}"
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from isoloco import checkpoint as ckpt
 from isoloco import logs, sharded_checkpoint
-from isoloco.algorithms import Algorithm, Worker, build_algorithm, workers_file
+from isoloco.algorithms import Algorithm, Worker, build_algorithm
 from isoloco.config import TrainConfig, divergence_causes, to_dict
 from isoloco.data import Batches, TokenData, check_run_data, load_token_data, validation_batches
 from isoloco.distributed import Distributed
@@ -312,7 +312,7 @@ class Trainer:
 
     def _workers_file(self) -> str:
         """The checkpoint file holding the state of this process's island's workers."""
-        return workers_file(self.dist.layout.island)
+        return ckpt.workers_file(self.dist.layout.island)
 
     def restore(self) -> int | None:
         """Load the newest valid checkpoint; return the metrics file offset to truncate to."""

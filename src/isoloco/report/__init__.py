@@ -26,8 +26,9 @@ timestamps or absolute paths, rows are sorted, and PNGs are written without the 
 metadata (the only varying field matplotlib adds) from a style reset to matplotlib's defaults.
 
 One module per job: `runs` (loading runs), `tables` (results.csv, summary.csv, results.md),
-`plots`, `stats` (scipy.stats: t quantiles, the paired t-test, TOST, Benjamini–Hochberg),
-`compare` (the paired comparisons and contrasts) and `command` (the command line).
+`plots`, `spectra` (spectra.md and the plots of what `log.spectra` logged), `stats`
+(scipy.stats: t quantiles, the paired t-test, TOST, Benjamini–Hochberg), `compare` (the paired
+comparisons and contrasts) and `command` (the command line).
 """
 
 from isoloco.report.command import add_report_command, cmd_report, write_report

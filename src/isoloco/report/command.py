@@ -16,6 +16,7 @@ from isoloco.errors import ReportError
 from isoloco.report.compare import COMPARE_FILE, CONTRAST_FILE, compare_markdown, contrast_markdown, named_runs
 from isoloco.report.plots import Published, write_plots
 from isoloco.report.runs import RunResult, finished_runs, group_runs, load_runs
+from isoloco.report.spectra import write_spectra_plots
 from isoloco.report.stats import DEFAULT_MARGIN_PCT
 from isoloco.report.tables import (CSV_FILE, MARKDOWN_FILE, PLOT_DIR, SUMMARY_CSV_FILE, results_csv, results_markdown,
                                    summary_csv)
@@ -33,8 +34,6 @@ def write_report(directory: Path, published: Sequence[Published] = (),
     manifest_path = directory / SWEEP_MANIFEST
     manifest = yaml.safe_load(manifest_path.read_text()) if manifest_path.is_file() else None
     plots = write_plots(runs, directory / PLOT_DIR, published)
-    from isoloco.spectra import write_spectra_plots
-
     plots += write_spectra_plots(directory, runs, directory / PLOT_DIR)
     (directory / CSV_FILE).write_text(results_csv(runs))
     (directory / SUMMARY_CSV_FILE).write_text(summary_csv(groups))
