@@ -4,14 +4,25 @@ see them side by side.
 
 The runs stay where their sweeps wrote them (a sweep resumes only into its own folder); a
 view holds relative symbolic links, renamed where two sweeps used the same run name. Run it
-again after the sweeps add runs: it replaces the views' links and rewrites the reports.
+again after the sweeps add runs: it replaces the views' links and rewrites the reports (and
+the tables and plots scripts beside it derive from a few of them, `DERIVED`).
 
     python scripts/claim_reports.py          # every view and report
     python scripts/claim_reports.py main     # one folder's report (and its view, if it is one)
     python scripts/claim_reports.py --doc docs/claims     # then copy the tables into the pages
-    python scripts/claim_reports.py --check docs/claims   # exit 1 if a table differs from its report
     python scripts/claim_reports.py --tests docs/claims   # every test the pages quote, adjusted together;
                                                           # then their contrasts, adjusted together
+    python scripts/claim_reports.py --check docs/claims   # exit 1 if a report, page-tests.md or a table is stale
+    python scripts/claim_reports.py --check docs/claims main   # only main's report regenerated and compared
+
+--check regenerates every report (or each FOLDER's) into a scratch folder from the runs as they
+are, and compares it with the committed one byte for byte: results.md, results.csv, summary.csv,
+compare.md, contrast.md, spectra.md, plots/*.png and what the DERIVED scripts write from them (a
+report of the same runs is the same bytes, plots included, on one matplotlib version), and a view's
+links with the runs it links now; then page-tests.md with what --tests writes, and every table of
+the page with its committed report. It prints one line per stale file or table and exits 1 if
+there is one, 0 if none (--tables-only: the tables alone, in a second; every report takes minutes).
+So after the runs change: the reports, then --doc and --tests, and --check passes.
 
 --doc, --check and --tests take one page (docs/results.md) or a folder of pages (docs/claims): its
 index, README.md, and then every page the index links to, in the order of their first link there
@@ -129,21 +140,33 @@ VIEWS: dict[str, list[tuple[str, str, str]]] = {
 }
 
 
+def view_runs(root: Path, view: str) -> dict[str, Path]:
+    """The runs a view links: its link's name -> the run's folder (under `root`)."""
+    runs: dict[str, Path] = {}
+    for sweeps, pattern, prefix in VIEWS[view]:
+        for sweep in sorted(root.glob(sweeps)):  # a folder, or a pattern of folders ({sweep}: each one's name)
+            if sweep.parent == root / view and sweep.is_symlink():  # the view's own link (its sweeps inside it)
+                continue
+            for run in sorted(sweep.glob(pattern)):
+                # Finished runs only: a view is read (and committed) while its sweeps still run.
+                if run.is_dir() and (run / "summary.json").is_file():
+                    name = f"{prefix.format(sweep=sweep.name)}{run.name}"
+                    if name in runs:
+                        raise SystemExit(f"error: view {view} links two runs as {name}: give one a prefix in VIEWS")
+                    runs[name] = run
+    return runs
+
+
 def link_view(root: Path, view: str) -> int:
     folder = root / view
     folder.mkdir(exist_ok=True)
     for old in folder.iterdir():
         if old.is_symlink():
             old.unlink()
-    count = 0
-    for sweeps, pattern, prefix in VIEWS[view]:
-        for sweep in sorted(root.glob(sweeps)):  # a folder, or a pattern of folders ({sweep}: each one's name)
-            for run in sorted(sweep.glob(pattern)):
-                # Finished runs only: a view is read (and committed) while its sweeps still run.
-                if run.is_dir() and (run / "summary.json").is_file():
-                    (folder / f"{prefix.format(sweep=sweep.name)}{run.name}").symlink_to(os.path.relpath(run, folder))
-                    count += 1
-    return count
+    runs = view_runs(root, view)
+    for name, run in runs.items():
+        (folder / name).symlink_to(os.path.relpath(run, folder))
+    return len(runs)
 
 
 NS_RMS = "isoloco_fast merge.ortho=newton_schulz merge.scale=rms"
@@ -613,15 +636,131 @@ def contrasts_markdown(doc: Path) -> list[str]:
               for c, adj in sorted(zip(contrasts, adjusted), key=lambda pair: pair[1])), ""]
 
 
+def report_command(folder: str, directory: Path) -> list[str]:
+    """The `isoloco report` command line that writes `folder`'s report (`REPORTS`) into `directory`."""
+    # "A:B" compares two methods; "A:B::C:D" contrasts two such differences.
+    compare = [arg for pair in REPORTS[folder] for arg in ("--contrast" if "::" in pair else "--compare", pair)]
+    published = [arg for points in PUBLISHED.get(folder, []) for arg in ("--published", points)]
+    tuned = ["--tuned", TUNED[folder]] if folder in TUNED else []
+    return [sys.executable, "-m", "isoloco", "report", str(directory), *compare, *published, *tuned]
+
+
+#: folder -> the scripts beside this one that write more of its report from it (run with `--root`
+#: after the report), each with its arguments and the files it writes into the folder.
+DERIVED: dict[str, list[tuple[list[str], tuple[str, ...]]]] = {
+    "compress-science": [(["compress_frontier.py", "--view", "compress-science"], ("frontier.md", "frontier.png"))],
+    "compressors-science": [(["compress_frontier.py", "--view", "compressors-science"],
+                             ("frontier.md", "frontier.png"))],
+    "stragglers-science": [(["straggler_table.py"], ("settings.md",))],
+}
+
+
+def derived_commands(folder: str, root: Path) -> list[list[str]]:
+    """The command lines of `folder`'s `DERIVED` scripts, writing into `root`/`folder`."""
+    here = Path(__file__).resolve().parent
+    return [[sys.executable, str(here / script), *args, "--root", str(root)] for (script, *args), _ in
+            DERIVED.get(folder, [])]
+
+
+#: What `isoloco report` writes into a folder (and the plots under PLOTS): the files --check regenerates,
+#: with the folder's `DERIVED` files.
+REPORT_FILES = ("results.md", "results.csv", "summary.csv", "compare.md", "contrast.md", "spectra.md")
+PLOTS = "plots"
+
+
+def report_files(folder: Path, name: str) -> dict[str, Path]:
+    """The files of report `name` (a key of `REPORTS`) in `folder`, by their path relative to it."""
+    derived = [file for _, written in DERIVED.get(name, []) for file in written]
+    files = [folder / file for file in (*REPORT_FILES, *derived)] + sorted((folder / PLOTS).glob("*.png"))
+    return {str(file.relative_to(folder)): file for file in files if file.is_file()}
+
+
+def regenerate(root: Path, folder: str, scratch: Path) -> Path:
+    """Write `folder`'s report afresh into `scratch`/`folder` (the same name: the report's title) from
+    the runs it reads now: a view's runs as `link_view` would link them, a sweep folder's every entry
+    but its report's files. Return that folder."""
+    out = scratch / folder
+    out.mkdir(parents=True)
+    if folder in VIEWS:
+        entries = view_runs(root, folder)
+    else:
+        written = set(report_files(root / folder, folder)) | {PLOTS}
+        entries = {entry.name: entry for entry in (root / folder).iterdir() if entry.name not in written}
+    for name, target in entries.items():
+        (out / name).symlink_to(target.resolve())
+    for command in [report_command(folder, out), *derived_commands(folder, scratch)]:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"error: the report of {root / folder} failed when regenerated: {' '.join(command)}\n"
+                             f"{done.stdout}{done.stderr}")
+    return out
+
+
+def stale_reports(root: Path, folders: list[str]) -> list[str]:
+    """Regenerate each folder's report into a scratch folder and compare it with the committed one,
+    byte for byte (the plots too: a report of the same runs is the same bytes); one line for each
+    file that differs, that the report no longer writes or that is missing, and for a view whose
+    committed links are not the runs it links now."""
+    import tempfile
+
+    stale = []
+    with tempfile.TemporaryDirectory(prefix="claim-reports-") as scratch:
+        for folder in folders:
+            committed = root / folder
+            redo = f"run python scripts/claim_reports.py {folder}"
+            if not committed.is_dir():
+                stale.append(f"stale: {committed}: no such folder: {redo}")
+                continue
+            if folder in VIEWS:
+                linked = {link.name: link.resolve() for link in committed.iterdir() if link.is_symlink()}
+                runs = {name: run.resolve() for name, run in view_runs(root, folder).items()}
+                if linked != runs:
+                    new = len(runs.keys() - linked.keys())
+                    gone = len(linked.keys() - runs.keys())
+                    moved = sum(linked[name] != runs[name] for name in linked.keys() & runs.keys())
+                    stale.append(f"stale: {committed}: its links are not the runs the view links now ({new} new, "
+                                 f"{gone} gone, {moved} pointing elsewhere): {redo}")
+            old, new = report_files(committed, folder), report_files(regenerate(root, folder, Path(scratch)), folder)
+            for name in sorted(old.keys() | new.keys()):
+                if name not in new:
+                    stale.append(f"stale: {committed / name}: its report no longer writes it: delete it")
+                elif name not in old:
+                    stale.append(f"stale: {committed / name} is missing: {redo}")
+                elif old[name].read_bytes() != new[name].read_bytes():
+                    stale.append(f"stale: {committed / name} differs from its report regenerated now: {redo}")
+    return stale
+
+
+def stale_page_tests(root: Path, doc: Path) -> list[str]:
+    """A line when `root`/page-tests.md is `doc`'s (its title names it) and differs from what --tests
+    writes now from the committed reports; [] otherwise."""
+    committed = root / PAGE_TESTS
+    if not committed.is_file() or committed.read_text().splitlines()[:1] != [f"# The tests {doc} quotes"]:
+        return []
+    if committed.read_text() == page_tests_markdown(doc):
+        return []
+    return [f"stale: {committed} differs from the tests {doc} quotes now: run python scripts/claim_reports.py "
+            f"--tests {doc}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="*", metavar="FOLDER",
-                        help=f"the folders to report (default: all of {', '.join(REPORTS)})")
+                        help=f"the folders to report, or with --check to regenerate and compare (default: all of "
+                             f"{', '.join(REPORTS)})")
     parser.add_argument("--root", default="results/claims", help="the folder holding the claims' sweeps")
     parser.add_argument("--doc", metavar="PAGE", help="copy every marked table of PAGE (a page, or a folder of "
                                                       "pages such as docs/claims) from its report (no reports run)")
-    parser.add_argument("--check", metavar="PAGE", help="exit 1 when a marked table of PAGE (a page or a folder of "
-                                                        "pages) differs from its report")
+    parser.add_argument("--check", metavar="PAGE", help="exit 1 when a committed report differs from the one its runs "
+                                                        "give now (each FOLDER's, default all of them, regenerated "
+                                                        "into a scratch folder and compared byte for byte: tables, "
+                                                        "comparisons, CSV files and plots; a view's links too), when "
+                                                        f"{PAGE_TESTS} is PAGE's and differs from what --tests "
+                                                        "writes, or when a marked table of PAGE (a page or a folder "
+                                                        "of pages) differs from its committed report; one line per "
+                                                        "stale file or table")
+    parser.add_argument("--tables-only", action="store_true", help="with --check: compare PAGE's tables with the "
+                                                                   "committed reports alone (no report regenerated)")
     parser.add_argument("--tests", metavar="PAGE", help=f"write {PAGE_TESTS} under --root: every test of the compare "
                                                         "tables PAGE (a page or a folder of pages, counted as one) "
                                                         "quotes, adjusted together (Benjamini–Hochberg), then its "
@@ -631,24 +770,27 @@ def main() -> None:
         (Path(args.root) / PAGE_TESTS).write_text(page_tests_markdown(Path(args.tests)))
         print(f"wrote {Path(args.root) / PAGE_TESTS}")
         return
-    if args.doc or args.check:
-        stale = sync_doc(Path(args.doc or args.check), write=bool(args.doc))
-        for marker, problem in stale:
-            print(f"{problem}: {marker}")
-        raise SystemExit(1 if stale and args.check else 0)
     unknown = [folder for folder in args.folders if folder not in REPORTS]
     if unknown:
         parser.error(f"no report is defined for {', '.join(unknown)}; choose from {', '.join(REPORTS)}")
     root = Path(args.root)
+    stale_files = []
+    if args.check and not args.tables_only:
+        doc_pages(Path(args.check))  # a folder of pages its index does not all link to fails first, in a second
+        stale_files = stale_reports(root, args.folders or list(REPORTS))
+        stale_files += stale_page_tests(root, Path(args.check))
+        for line in stale_files:
+            print(line)
+    if args.doc or args.check:
+        stale = sync_doc(Path(args.doc or args.check), write=bool(args.doc))
+        for marker, problem in stale:
+            print(f"{problem}: {marker}")
+        raise SystemExit(1 if (stale or stale_files) and args.check else 0)
     for folder in args.folders or REPORTS:
         if folder in VIEWS:
             print(f"{folder}: {link_view(root, folder)} runs linked")
-        # "A:B" compares two methods; "A:B::C:D" contrasts two such differences.
-        compare = [arg for pair in REPORTS[folder] for arg in ("--contrast" if "::" in pair else "--compare", pair)]
-        published = [arg for points in PUBLISHED.get(folder, []) for arg in ("--published", points)]
-        tuned = ["--tuned", TUNED[folder]] if folder in TUNED else []
-        subprocess.run([sys.executable, "-m", "isoloco", "report", str(root / folder), *compare, *published, *tuned],
-                       check=True)
+        for command in [report_command(folder, root / folder), *derived_commands(folder, root)]:
+            subprocess.run(command, check=True)
 
 
 if __name__ == "__main__":

@@ -255,10 +255,79 @@ def test_a_quoted_test_its_runs_no_longer_give_is_an_error(doc):
 
 @pytest.mark.parametrize("page", ["docs/claims", "docs/results.md"])
 def test_the_docs_tables_match_the_committed_reports(page):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--check", page], cwd=ROOT, capture_output=True, text=True)
+    # The tables alone: --check without --tables-only regenerates every report (minutes).
+    done = subprocess.run([sys.executable, str(SCRIPT), "--check", page, "--tables-only"], cwd=ROOT,
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     pages = _script().doc_pages(ROOT / page)
     assert "<!-- table: " in "".join(path.read_text() for path in pages)  # the pages have tables to check
+
+
+#: The committed view the test of --check regenerates: a small one (a few runs), with a compare.md.
+CHECKED_VIEW = "r128-searched"
+
+
+@pytest.mark.slow
+def test_check_regenerates_a_report_and_names_each_stale_file(tmp_path):
+    """--check regenerates a report into a scratch folder and compares it byte for byte with the
+    committed one: a copy of a committed view passes (exit 0, nothing printed); with one file
+    altered, one missing, one the report no longer writes and one link gone, it fails with one
+    line for each."""
+    import shutil
+
+    script = _script()
+    claims = ROOT / "results" / "claims"
+    root = tmp_path / "claims"
+    root.mkdir()
+    for sweeps, _, _ in script.VIEWS[CHECKED_VIEW]:  # the view's sweeps, where the copy's links lead
+        top = sweeps.split("/")[0]
+        if not (root / top).exists():
+            (root / top).symlink_to(claims / top)
+    view = root / CHECKED_VIEW
+    shutil.copytree(claims / CHECKED_VIEW, view, symlinks=True)
+    page = tmp_path / "page.md"
+    page.write_text("# A page without tables\n")
+    check = [sys.executable, str(SCRIPT), "--root", str(root), "--check", str(page), CHECKED_VIEW]
+    done = subprocess.run(check, cwd=ROOT, capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, ""), done.stdout + done.stderr
+    compare = (view / "compare.md").read_text()
+    (view / "compare.md").write_text(compare.replace("## Change with R", "## Change with R, renamed"))
+    (view / "summary.csv").unlink()
+    (view / "plots" / "dropped.png").write_bytes(b"")
+    next(link for link in sorted(view.iterdir()) if link.is_symlink()).unlink()
+    done = subprocess.run(check, cwd=ROOT, capture_output=True, text=True)
+    redo = f"run python scripts/claim_reports.py {CHECKED_VIEW}"
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        f"stale: {view}: its links are not the runs the view links now (1 new, 0 gone, 0 pointing elsewhere): {redo}",
+        f"stale: {view / 'compare.md'} differs from its report regenerated now: {redo}",
+        f"stale: {view / 'plots' / 'dropped.png'}: its report no longer writes it: delete it",
+        f"stale: {view / 'summary.csv'} is missing: {redo}"]
+
+
+def test_check_names_a_stale_page_tests_file_of_its_page_only(doc):
+    """page-tests.md is checked against what --tests writes now when it is the checked page's."""
+    script = _script()
+    doc.write_text("# A page\n")
+    root = Path("claims")
+    root.mkdir()
+    assert script.stale_page_tests(root, doc) == []  # none written
+    (root / "page-tests.md").write_text(script.page_tests_markdown(doc))
+    assert script.stale_page_tests(root, doc) == []
+    (root / "page-tests.md").write_text(script.page_tests_markdown(doc).replace("0 paired tests", "1 paired tests"))
+    assert script.stale_page_tests(root, doc) == [
+        "stale: claims/page-tests.md differs from the tests page.md quotes now: run python scripts/claim_reports.py "
+        "--tests page.md"]
+    (root / "page-tests.md").write_text("# The tests other.md quotes\n")
+    assert script.stale_page_tests(root, doc) == []  # another page's
+
+
+@pytest.mark.slow
+def test_the_page_wide_adjustment_is_current(monkeypatch):
+    """results/claims/page-tests.md is what --tests writes from the committed reports the claims pages
+    quote now (a change with R quoted since, or a report regenerated, moves it)."""
+    monkeypatch.chdir(ROOT)  # the pages' markers name their reports from the repository's root
+    assert _script().stale_page_tests(Path("results/claims"), Path("docs/claims")) == []
 
 
 def test_every_claims_page_is_read_and_the_index_first():
