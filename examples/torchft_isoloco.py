@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from isoloco.config import TrainConfig, parse_overrides, resolve
+from isoloco.config import parse_overrides, resolve
+from isoloco.train_config import TrainConfig
 from isoloco.errors import ConfigError
 from isoloco.data import load_token_data
 from isoloco.model import MODEL_PRESETS

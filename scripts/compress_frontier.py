@@ -37,7 +37,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 from claim_reports import compare_rows, compress_label, difference_cell  # noqa: E402  (scripts/, beside this file)
 from isoloco.algorithms import SlowLinkModel  # noqa: E402
 from isoloco.bench.workload import parameter_shapes  # noqa: E402
-from isoloco.config import TrainConfig, from_dict  # noqa: E402
+from isoloco.config import from_dict  # noqa: E402
+from isoloco.train_config import TrainConfig
 
 #: The view the page quotes; a later grid's view is named with --view.
 VIEW = "compress-science"

@@ -163,7 +163,7 @@ def test_dp_records_the_one_model_it_trains_whatever_a_preset_says(tmp_path, cap
 
 
 def test_inner_steps_beyond_steps_is_warned_before_the_run():
-    from isoloco.config import run_warnings
+    from isoloco.config_checks import run_warnings
 
     (line,) = run_warnings(resolve(None, {"steps": 20}), islands=1)
     assert line.startswith("inner_steps=30 is more than steps=20: the workers train every step apart and "

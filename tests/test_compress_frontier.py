@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from isoloco.config import TrainConfig, apply_values, to_dict
+from isoloco.config import apply_values, to_dict
+from isoloco.train_config import TrainConfig
 from isoloco.merge_config import MergeConfig
 from isoloco.sync.slowlink import mean_wire_bytes
 from isoloco.outer import OuterConfig

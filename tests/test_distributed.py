@@ -20,7 +20,8 @@ from isoloco.sync.compressed import ChunkPlan
 from isoloco.sync.cost import wire_bytes
 from isoloco.bench import comm as bench_comm
 from isoloco.bench.workload import parameter_shapes
-from isoloco.config import DEFAULT_PRESET, TrainConfig, parse_overrides, resolve
+from isoloco.config import DEFAULT_PRESET, parse_overrides, resolve
+from isoloco.train_config import TrainConfig
 from isoloco.errors import ConfigError
 from isoloco.comm import LINK_COUNTS
 from isoloco.distributed import Distributed, process_group

@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from isoloco.cli import _recipe, main
-from isoloco.config import divergence_causes, matrix_names, resolve
+from isoloco.config import resolve
+from isoloco.config_checks import divergence_causes, matrix_names
 from isoloco.errors import ConfigError
 from isoloco.torchtitan.settings import check_flags
 

@@ -14,7 +14,8 @@ import pytest
 
 from isoloco import checkpoint as ckpt
 from isoloco.cli import _recipe, main
-from isoloco.config import resolve, run_warnings
+from isoloco.config import resolve
+from isoloco.config_checks import run_warnings
 from isoloco.data.shards import TokenData
 from helpers import ONE_THREAD_ENV, SMALL_ARGS
 

@@ -255,7 +255,7 @@ def test_the_tuned_outer_lr_the_divergence_warning_names_is_the_committed_select
     lr each SparseLoCo method chose at each R there (the row's `chosen` column, sgd-lr<x>)."""
     from pathlib import Path
 
-    from isoloco.config import SPARSELOCO_TUNED_LR
+    from isoloco.config_checks import SPARSELOCO_TUNED_LR
 
     selection = Path(__file__).resolve().parents[1] / "results/claims/compress-tuned/selection.md"
     chosen: dict[str, dict[int, float]] = {}

@@ -12,7 +12,8 @@ import yaml
 
 from isoloco import merge_functions, report
 from isoloco.comm import LocalCommunicator
-from isoloco.config import FaultsConfig, resolve, to_dict
+from isoloco.config import resolve, to_dict
+from isoloco.train_config import FaultsConfig
 from isoloco.errors import ConfigError
 from isoloco.merge import Merger
 from isoloco.merge_config import MergeConfig, Participation

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from isoloco.config import TrainConfig, resolve
+from isoloco.config import resolve
+from isoloco.train_config import TrainConfig
 from isoloco.errors import ConfigError
 from isoloco.data import load_token_data
 from isoloco.merge_config import MergeConfig

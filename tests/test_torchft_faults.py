@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from isoloco.comm import LocalCommunicator
-from isoloco.config import TrainConfig
+from isoloco.train_config import TrainConfig
 from isoloco.data import load_token_data
 from isoloco.merge_config import Participation
 from isoloco.model import build_model

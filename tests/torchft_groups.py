@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from isoloco.config import TrainConfig, resolve
+from isoloco.config import resolve
+from isoloco.train_config import TrainConfig
 from isoloco.torchft import internals
 
 import helpers

@@ -29,7 +29,7 @@ import torch
 
 from isoloco import checkpoint as ckpt
 from isoloco.comm import LINK_COUNTS
-from isoloco.config import TrainConfig
+from isoloco.train_config import TrainConfig
 from isoloco.data import Batches
 from isoloco.distributed import Distributed
 from isoloco.errors import CheckpointError, ConfigError, NonFiniteDeltaError

@@ -22,9 +22,10 @@ from isoloco import __version__, logs
 from isoloco.checkpoint import latest_to_resume, write_json_atomic, write_text_atomic
 from isoloco.cliargs import add_items, parse_late
 from isoloco.comm import played_islands
-from isoloco.config import (BASE_KEY, DEFAULT_PRESET, TrainConfig, describe_keys, excluded_matrices, from_dict,
-                            matrix_names, parse_overrides, preset_names, preset_said, resolve, run_warnings,
-                            split_items, to_dict)
+from isoloco.config import (BASE_KEY, DEFAULT_PRESET, describe_keys, from_dict, parse_overrides, preset_names, preset_said,
+                            resolve, split_items, to_dict)
+from isoloco.config_checks import excluded_matrices, matrix_names, run_warnings
+from isoloco.train_config import TrainConfig
 from isoloco.data.cli import add_data_commands
 from isoloco.distributed import Distributed, launched_world_size, process_group
 from isoloco.errors import EXIT_INTERRUPTED, REPORTED, UsageError, describe

@@ -29,7 +29,7 @@ from isoloco.torch_comm import EmulatedLink, TorchCommunicator, collective
 from isoloco.watchdog import PeerWatchdog
 
 if TYPE_CHECKING:
-    from isoloco.config import TrainConfig
+    from isoloco.train_config import TrainConfig
 
 BACKENDS = ("auto", "nccl", "gloo")
 #: The named dimensions of a run's DeviceMesh: islands (its groups are the peer groups that

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from isoloco.errors import ConfigError
 
 if TYPE_CHECKING:
-    from isoloco.config import TrainConfig
+    from isoloco.train_config import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,9 @@ from tqdm import tqdm
 from isoloco import checkpoint as ckpt
 from isoloco import logs, sharded_checkpoint
 from isoloco.algorithms import Algorithm, Worker, build_algorithm
-from isoloco.config import TrainConfig, divergence_causes, to_dict
+from isoloco.config import to_dict
+from isoloco.config_checks import divergence_causes
+from isoloco.train_config import TrainConfig
 from isoloco.data import Batches, TokenData, check_run_data, load_token_data, validation_batches
 from isoloco.distributed import Distributed
 from isoloco.errors import CheckpointError, ConfigError

@@ -42,7 +42,8 @@ from typing import Any, Iterator
 import torch
 
 from isoloco.bench.table import Table, percent
-from isoloco.config import TrainConfig, resolve
+from isoloco.config import resolve
+from isoloco.train_config import TrainConfig
 from isoloco.data import load_token_data
 from isoloco.trainer import Trainer
 

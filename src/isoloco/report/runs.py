@@ -12,7 +12,8 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
-from isoloco.config import EXECUTION_KEYS, TrainConfig, flatten, from_dict, to_dict
+from isoloco.config import EXECUTION_KEYS, flatten, from_dict, to_dict
+from isoloco.train_config import TrainConfig
 from isoloco.errors import ReportError
 from isoloco.methods import METHODS
 from isoloco.rundir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE

@@ -31,7 +31,7 @@ from isoloco.torchft import internals
 from isoloco.torchft.optimizer import merges_in_quorum
 
 if TYPE_CHECKING:
-    from isoloco.config import TrainConfig
+    from isoloco.train_config import TrainConfig
 
 #: isoloco keys torchft's DiLoCo does not carry, with the value that means "off" and what to do
 #: instead: refused, since a run would otherwise ignore them and end as without.

@@ -11,8 +11,9 @@ behind the others first recovers the model, inner optimizer and outer state from
 Addresses are options, 127.0.0.1 by default (one machine): the lighthouse's (`bind`), and
 each group's `host`, where its rendezvous store and torchft's manager are reached by the other
 groups. torchft binds its manager server and its checkpoint HTTP server on every interface
-itself (the latter advertises the machine's host name, which the other machines must resolve
-for a recovery).
+itself; the checkpoint server, which a recovering group fetches the state from, is advertised at
+`host` too (`CheckpointServer`), where torchft would name the machine's host name, which another
+machine or a network namespace may not resolve to it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from urllib.parse import urlsplit
 import torch
 from safetensors.torch import load_file, save_file
 
-from isoloco.config import TrainConfig
+from isoloco.train_config import TrainConfig
 from isoloco.data import Batches, load_token_data
 from isoloco.errors import ConfigError, first_line
 from isoloco.inner import InnerOptimizer, forward_backward, mixed_precision
@@ -39,6 +40,7 @@ from isoloco.trainer import resolve_device, use_deterministic_kernels
 
 try:
     from torch.distributed import TCPStore
+    from torchft.checkpointing import HTTPTransport
     from torchft.coordination import LighthouseServer
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
@@ -49,6 +51,22 @@ except ImportError as error:  # the extra is optional: say how to get it, in one
 
 #: One machine: every address is the loopback one.
 LOCALHOST = "127.0.0.1"
+
+
+class CheckpointServer(HTTPTransport):
+    """torchft's checkpoint server (`HTTPTransport`, the one its Manager makes by default),
+    advertised at `host` instead of the machine's host name: inside a network namespace, or on a
+    machine whose name resolves to the loopback address (/etc/hosts often does), a recovering
+    group would fetch the state from its own machine and fail ("Connection refused")."""
+
+    def __init__(self, host: str, timeout: timedelta) -> None:
+        self.advertised_host = host  # before torchft's __init__, which logs the address
+        super().__init__(timeout=timeout, num_chunks=0)
+
+    def address(self) -> str:
+        served = urlsplit(super().address())
+        host = f"[{self.advertised_host}]" if ":" in self.advertised_host else self.advertised_host
+        return served._replace(netloc=f"{host}:{served.port}").geturl()
 
 
 def start_lighthouse(min_replicas: int, heartbeat_timeout_ms: int = 5000, join_timeout_ms: int = 60000,
@@ -233,6 +251,7 @@ def run_replica_group(
         replica_id=f"isoloco_{replica}", store_addr=host, store_port=store.port, rank=0, world_size=1,
         lighthouse_addr=lighthouse, hostname=host, init_sync=init_sync,
         timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+        checkpoint_transport=CheckpointServer(host, timeout),
     )
     period = cfg.inner_steps // fragments  # inner steps between two fragment synchronisations
     rounds = cfg.train_steps // period
