@@ -1,6 +1,9 @@
-"""An overlapped synchronisation is never in flight while the loop's own cross-island collectives
-run (the round's losses, its link counts, a stop signal, an evaluation): on a real slow link
-each of them would queue behind the synchronisation's traffic, seconds no counter reports."""
+"""When an overlapped synchronisation runs, as a real slow link needs it: never in flight while
+the loop's own cross-island collectives run (the round's losses, its link counts, a stop signal,
+an evaluation), which would queue behind its traffic, seconds no counter reports; its stages at
+steps in proportion to their traffic; and a round's compute timed apart from what it waited."""
+
+import torch
 
 from isoloco.config import resolve
 from isoloco.distributed import Distributed
@@ -61,3 +64,31 @@ def test_a_rounds_compute_seconds_leave_out_what_it_waited_for_the_synchronisati
     assert rounds[1]["sync_exposed_s"] >= 0.3
     assert all(line["compute_s"] > 0 for line in rounds)
     assert walls[1] - rounds[1]["compute_s"] >= rounds[1]["sync_exposed_s"] >= 0.3
+
+
+def test_a_stage_that_only_computes_waits_for_the_landing_so_the_transfers_have_the_window():
+    """Stages run at steps in proportion to the traffic before them: with Iso-C's finalize last
+    (no traffic), the sum's transfer has all τ steps; equal shares spread evenly, as before."""
+    from isoloco.sync.handles import Sync
+    from isoloco.sync.inflight import resume_steps
+
+    def sync(stages, traffic=None):
+        return Sync(iter(()), stages, traffic)
+
+    assert resume_steps(5, sync(2, (1.0, 0.0))) == []  # the finalize runs at the landing, step 5
+    assert resume_steps(4, sync(3, (1.0, 1.0, 0.0))) == [2]  # two transfers share the window
+    assert resume_steps(4, sync(3)) == [2, 3]  # ⌈4/3⌉, ⌈8/3⌉
+    assert resume_steps(6, sync(3, (0.0, 0.0, 0.0))) == [2, 4]
+
+
+def test_an_iso_c_merge_says_its_finalize_carries_no_traffic(tmp_path):
+    cfg = resolve(None, {**helpers.SMALL, "method": "isoloco", "workers": 2, "inner_steps": 3, "steps": 6,
+                         "outer.overlap_steps": 2})
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    algorithm = trainer.algorithm
+    algorithm._kept(torch.zeros(2, 3), 0)
+    participation = algorithm._participation(0, steps=3)
+    sync = algorithm._merge(participation, 0)
+    assert sync.traffic is not None and len(sync.traffic) == sync.stages
+    assert sync.traffic[-1] == 0.0 and sum(sync.traffic) > 0
+    sync.steps.close()

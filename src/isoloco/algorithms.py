@@ -397,7 +397,7 @@ class DiLoCo(Algorithm):
                       for i, name in enumerate(self.names)} if self.feedback else None)
         step = self.outer.start(deltas, round=round, fetch=self._fetch, participation=participation,
                                 residuals=residuals)
-        return Sync(self._after_merge(step.steps), step.stages)
+        return Sync(self._after_merge(step.steps), step.stages, step.traffic)
 
     def _after_merge(self, step: Steps[None]) -> Steps[None]:
         yield from step

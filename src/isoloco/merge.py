@@ -178,7 +178,10 @@ class Merger:
         stages = self._stages(plan)
         finalizing = any(job.finalize is not None for job in jobs)
         steps = self._steps(jobs, plan, stages, round_, limit if finalizing else None)
-        return Sync(steps, sum(count for _, _, count in stages) + finalizing)
+        # Every stage but the finalize starts collectives between islands; the finalize computes
+        # (its broadcasts stay inside an island).
+        transfers = sum(count for _, _, count in stages)
+        return Sync(steps, transfers + finalizing, (1.0,) * transfers + (0.0,) * finalizing)
 
     def merge_all(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int | None = None,
                   fetch: Fetch | None = None,

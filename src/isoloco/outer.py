@@ -330,7 +330,7 @@ class OuterStep:
         if participation is not None:  # the spectra measure the merged workers' deltas
             arrived = [i for i, w in enumerate(self.comm.local_worker_ids) if w in participation.arrived]
             local_deltas = {name: [deltas[i] for i in arrived] for name, deltas in local_deltas.items()}
-        return Sync(self._apply(merge.steps, local_deltas, fetch), merge.stages)
+        return Sync(self._apply(merge.steps, local_deltas, fetch), merge.stages, merge.traffic)
 
     def _sparseloco(self, local_deltas: Mapping[str, Sequence[torch.Tensor]], round: int,
                     fetch: Callable[[torch.Tensor], torch.Tensor] | None, participation: Participation | None,

@@ -62,6 +62,10 @@ class Sync(Generic[T]):
 
     steps: Steps[T]
     stages: int
+    #: Each stage's share of the link's traffic (the collectives it starts; 0 for a stage that
+    #: only computes), alike on every rank: an overlapped run gives each stage's transfers inner
+    #: steps in proportion to it before the next stage waits for them. None: equal shares.
+    traffic: tuple[float, ...] | None = None
 
 
 def run_to_end(steps: Steps[T]) -> T:

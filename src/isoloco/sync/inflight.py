@@ -10,9 +10,10 @@ synchronisation is left, and its weights become (1 − α)·θ_{t+1} + α·θ_r 
 
 No thread runs it. The synchronisation is `Steps` (`isoloco.sync.handles`) whose S stages each
 start collectives as async handles; `start` runs the first stage, and the next ones run at
-fixed inner steps of the round's first worker, spread over the τ steps (stage k at step
-⌈k·τ/S⌉), so every collective is started by the main thread in one order on every rank, as
-NCCL requires. Between those steps the transfers proceed on their own (the backend's
+fixed inner steps of the round's first worker, spread over the τ steps by their traffic
+(`resume_steps`: a stage that only computes, such as Iso-C's finalize, waits for the landing,
+so the transfers before it have the whole window), so every collective is started by the main
+thread in one order on every rank, as NCCL requires. Between those steps the transfers proceed on their own (the backend's
 threads, the network); on a GPU the stages' kernels run on a side stream.
 
 An error raised by a stage is raised at once, from the inner step that ran it, and nothing
@@ -30,6 +31,7 @@ has landed the last.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from contextlib import AbstractContextManager, nullcontext
@@ -37,6 +39,17 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from isoloco.sync.handles import Sync
+
+
+def resume_steps(window: int, sync: Sync) -> list[int]:
+    """The inner steps before which stages 2, 3, ... of `sync` run, each waiting for the stage
+    before it: stage k + 1 at ⌈τ·(traffic of stages 1..k) / (all its traffic)⌉, so a transfer has
+    as much of the window as its share of the traffic. A stage due at τ runs at the landing, and
+    a synchronisation that only computes spreads its stages evenly."""
+    stages = max(sync.stages, 1)
+    traffic = list(sync.traffic) if sync.traffic and sum(sync.traffic) > 0 else [1.0] * stages
+    sent = list(itertools.accumulate(traffic))
+    return sorted({math.ceil(window * sent[k - 1] / sent[-1]) for k in range(1, stages)} - {0, window})
 
 
 class InFlight:
@@ -70,8 +83,7 @@ class InFlight:
         if self._stream is not None:  # the merge reads what the training stream wrote
             self._stream.wait_stream(torch.cuda.current_stream(self._device))
         self._steps = sync.steps
-        stages = max(sync.stages, 1)
-        self._resume_at = sorted({math.ceil(k * self._window / stages) for k in range(1, stages)} - {0})
+        self._resume_at = resume_steps(self._window, sync)
         self._began, self.waited_s = time.perf_counter(), 0.0
         self._resume()
 
