@@ -61,6 +61,8 @@ SETTINGS = {
 #: A generous cap on one run: a run that neither ends nor fails by then is reported as hung.
 RUN_TIMEOUT_S = 1800
 PORT_BASE = 29600
+#: What a table's title says of a run, kept with its figures in --json.
+SETUP = ("islands", "processes", "model", "inner_steps", "global_batch", "seq_len")
 
 
 @dataclass
@@ -179,7 +181,7 @@ def tables(results: dict[Case, list[dict[str, float]]], islands: int, processes:
                       median_range([r["sync_exposed_s"] for r in runs], ".2f"),
                       median_range([r["round_s"] - r["compute_s"] for r in runs], ".2f"),
                       median_range([r["sync_s"] for r in runs], ".2f"), f"{model_sync:.2f}",
-                      f"{(sync - model_sync) / model_sync:+.0%}",
+                      f"{(sync - model_sync) / model_sync:+.0%}" if case.tau == 0 else "—",
                       f"{compute + max(0.0, model_sync - hidden):.2f}" if compute is not None else "—",
                       f"{kernel:,.0f}", f"{reported:,.0f}", f"{(kernel - reported) / reported:+.1%}")
         table.notes.append(
@@ -189,7 +191,8 @@ def tables(results: dict[Case, list[dict[str, float]]], islands: int, processes:
             "the synchronisation's seconds from start to end. model sync s: the merge's own compute (the unshaped "
             "run's sync s) plus the cost model's seconds for the reported wire bytes at this rate, TCP's headers "
             "charged (`isoloco.sync.cost.TCP_FRAMING`) and no latency (no delay is added to the link); sync off: "
-            "measured against it. model round s: the compute plus what of the model's sync seconds the τ overlapped "
+            "measured against it (at τ = 0 only: an overlapped synchronisation's sync s also holds the τ steps it "
+            "overlaps). model round s: the compute plus what of the model's sync seconds the τ overlapped "
             "steps do not hide. kernel bytes / sync: what TCP carried out of the islands (the shaper's count less 66 "
             "header bytes a packet), per process "
             "and synchronisation, start-up and evaluation traffic included; reported: the run's own "
@@ -218,6 +221,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--markdown", type=Path, help="append the tables here too")
     ap.add_argument("--json", type=Path, help="write every run's figures here")
+    ap.add_argument("--from-json", type=Path, help="print the tables of the runs a --json file holds, training "
+                                                   "nothing")
     args = ap.parse_args(argv)
     try:
         args.rate_list = [float(r) for r in args.rates.split(",") if r]
@@ -237,14 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    logs.setup()
-    try:
-        args = parse_args(argv)
-        require_namespaces()
-    except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+def measure(args: argparse.Namespace) -> dict[Case, list[dict[str, float]]]:
+    """Train every case `args.repeats` times across namespaced islands; each run's figures."""
     # The unshaped reference gives a round's compute, which τ does not change: at τ = 0 only.
     cases = [Case(s, None, 0) for s in args.setting_list]
     cases += [Case(s, rate, tau) for rate in args.rate_list for s in args.setting_list for tau in args.tau_list]
@@ -266,19 +265,39 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{repeat + 1}/{args.repeats}] {case.setting} τ={case.tau} {rate}: round "
                       f"{figures['round_s']:.2f} s, exposed {figures['sync_exposed_s']:.2f} s", file=sys.stderr,
                       flush=True)
-    load = os.getloadavg()[0]
-    made = tables(results, args.islands, args.processes, args.model, args.inner_steps,
-                  f"{args.global_batch} × {args.seq_len} tokens a step")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    logs.setup()
+    try:
+        args = parse_args(argv)
+        if args.from_json is None:
+            require_namespaces()
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        results = {Case(c["setting"], c["rate_mbit"], c["tau"]): c["runs"] for c in saved["cases"]}
+        command, load, setup = saved["command"], saved["load"], saved["setup"]
+    else:
+        results = measure(args)
+        command = f"python -m isoloco.bench.reallink {' '.join(argv if argv is not None else sys.argv[1:])}"
+        load = os.getloadavg()[0]
+        setup = {key: getattr(args, key) for key in SETUP}
+    made = tables(results, setup["islands"], setup["processes"], setup["model"], setup["inner_steps"],
+                  f"{setup['global_batch']} × {setup['seq_len']} tokens a step")
     text = "\n\n".join(table.markdown() for table in made)
-    text += (f"\n\n`python -m isoloco.bench.reallink {' '.join(argv if argv is not None else sys.argv[1:])}`; "
-             f"load average {load:.2f} at the end.\n")
+    text += f"\n\n`{command}`; load average {load:.2f} at the end.\n"
     print(text)
     if args.markdown:
         with args.markdown.open("a") as markdown:
             markdown.write(text)
-    if args.json:
-        args.json.write_text(json.dumps([{"setting": c.setting, "rate_mbit": c.rate_mbit, "tau": c.tau, "runs": runs}
-                                         for c, runs in results.items()], indent=1))
+    if args.json and args.from_json is None:
+        args.json.write_text(json.dumps({"command": command, "load": load, "setup": setup, "cases": [
+            {"setting": c.setting, "rate_mbit": c.rate_mbit, "tau": c.tau, "runs": runs}
+            for c, runs in results.items()]}, indent=1))
     return 0
 
 
