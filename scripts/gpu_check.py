@@ -187,8 +187,9 @@ def train(out: Path, preset: str | None = None, **overrides) -> Trainer:
 
 
 def every_method(setting: Setting, workdir: Path) -> Row:
-    losses = {m: train(workdir / f"method-{m}", method=m, device=setting.device,
-                       steps=setting.method_steps).last_val_loss for m in METHODS}
+    # dp trains one model and refuses the workers the others take
+    losses = {m: train(workdir / f"method-{m}", method=m, device=setting.device, steps=setting.method_steps,
+                       **({"workers": 1} if METHODS[m]["algorithm"] == "dp" else {})).last_val_loss for m in METHODS}
     bad = sorted(m for m, loss in losses.items() if loss is None or not math.isfinite(loss))
     return Row(f"every method trains the tiny model on {setting.device}",
                f"{len(losses) - len(bad)} of {len(losses)} finite" + (f"; not: {', '.join(bad)}" if bad else ""),
