@@ -25,11 +25,10 @@ continues; the file `DIR/lanes`, if present, holds how many runs go at once.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from isoloco.tuned import Search, Task, drive, dry_run, extend, selection_rows, step_name, step_overrides
+from isoloco.tuned import Search, Task, extend, grid_main, selection_rows, step_name, step_overrides
 
 PRESET = "repro-cpu-r128"
 GRID = Path(__file__).resolve().parents[1] / "results/claims/r128"
@@ -109,18 +108,7 @@ def write_selection(out: Path, searches: list[Search]) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("results/claims/claim2-settle"))
-    ap.add_argument("--lanes", type=int, default=2, help="runs at once (overridden by the file OUT/lanes)")
-    ap.add_argument("--dry-run", action="store_true", help="print what would run next and stop")
-    args = ap.parse_args()
-    out = args.out.resolve()
-    tasks, searches = plan(out)
-    extend(tasks, searches)
-    if args.dry_run:
-        dry_run(out, tasks)
-        return 0
-    return drive(out, tasks, searches, args.lanes, lambda: write_selection(out, searches))
+    return grid_main(__doc__, Path("results/claims/claim2-settle"), plan, write_selection)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,11 @@ Layout under DIR: `select/<search>-<step>/` (one seed-0 run each), `dp/`, `<meth
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
 
-from isoloco.tuned import NESTEROV_STEPS, Search, Task, drive, dry_run, extend, selection_rows
+from isoloco.tuned import NESTEROV_STEPS, Search, Task, grid_main, selection_rows
 
 PRESET = "repro-cpu-r128"
 METHODS = ("diloco", "isoloco")
@@ -81,18 +80,7 @@ def write_selection(out: Path, searches: list[Search]) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("results/claims/r128"))
-    ap.add_argument("--lanes", type=int, default=2, help="runs at once (overridden by the file OUT/lanes)")
-    ap.add_argument("--dry-run", action="store_true", help="print what would run next and stop")
-    args = ap.parse_args()
-    out = args.out.resolve()
-    tasks, searches = plan(out)
-    extend(tasks, searches)
-    if args.dry_run:
-        dry_run(out, tasks)
-        return 0
-    return drive(out, tasks, searches, args.lanes, lambda: write_selection(out, searches))
+    return grid_main(__doc__, Path("results/claims/r128"), plan, write_selection)
 
 
 if __name__ == "__main__":

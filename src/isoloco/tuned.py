@@ -17,6 +17,7 @@ searches and tasks from these pieces.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import subprocess
@@ -232,3 +233,21 @@ def drive(out: Path, tasks: list[Task], searches: list[Search], default_lanes: i
                     print(f"start: {task.out.relative_to(out)}", flush=True)
                     running[task.out] = subprocess.Popen(task.command(isoloco), stdout=log, stderr=subprocess.STDOUT)
         time.sleep(5)
+
+
+def grid_main(doc: str, default_out: Path, plan: Callable[[Path], tuple[list[Task], list[Search]]],
+              write_selection: Callable[[Path, list[Search]], None]) -> int:
+    """The command line of a grid script: `--out`, `--lanes`, `--dry-run`; lays the grid out with
+    `plan(out)` and drives it, `write_selection(out, searches)` after every finished run."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=default_out)
+    ap.add_argument("--lanes", type=int, default=2, help="runs at once (overridden by the file OUT/lanes)")
+    ap.add_argument("--dry-run", action="store_true", help="print what would run next and stop")
+    args = ap.parse_args()
+    out = args.out.resolve()
+    tasks, searches = plan(out)
+    extend(tasks, searches)
+    if args.dry_run:
+        dry_run(out, tasks)
+        return 0
+    return drive(out, tasks, searches, args.lanes, lambda: write_selection(out, searches))
