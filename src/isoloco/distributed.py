@@ -143,7 +143,7 @@ def process_group(cfg: TrainConfig) -> Iterator[None]:
     if world_size <= 1:
         yield
         return
-    ProcessLayout.for_run(cfg, world_size, int(os.environ["RANK"]))  # a misfit fails before joining
+    layout = ProcessLayout.for_run(cfg, world_size, int(os.environ["RANK"]))  # a misfit fails before joining
     backend = backend_for(cfg)
     device = None
     if backend == "nccl":
@@ -156,7 +156,7 @@ def process_group(cfg: TrainConfig) -> Iterator[None]:
     with collective(f"joining the {world_size} processes at {os.environ.get('MASTER_ADDR')}:"
                     f"{os.environ.get('MASTER_PORT')}"):
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist.timeout_s), device_id=device)
-        watchdog = PeerWatchdog.connect(dist.get_rank(), world_size, cfg.dist.peer_silence_s)
+        watchdog = PeerWatchdog.connect(dist.get_rank(), world_size, cfg.dist.peer_silence_s, layout.group_size)
         watchdog.register()
         dist.barrier()
     watchdog.start()

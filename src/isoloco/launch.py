@@ -12,7 +12,9 @@ output goes to a log file, and the job ends with the run's own exit status (0 do
 error, 3 a process lost, 128 + N stopped by signal N) and, when it
 failed, one line naming the process that ended it and that log file. One machine
 rendezvouses on 127.0.0.1 at a free port unless an address is named; several machines need
-`--master-addr` (node 0's address, reachable from every node). Anything else torchrun
+`--master-addr` (node 0's address, reachable from every node). Nodes meet on torchrun's static
+rendezvous (--master-addr, --node-rank), which resolves no host name, so it also works inside
+network namespaces, where torchrun's c10d rendezvous times out. Anything else torchrun
 offers is available by calling torchrun directly.
 """
 
