@@ -220,7 +220,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=4, help="rounds per run (the first and last are not steady)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--markdown", type=Path, help="append the tables here too")
-    ap.add_argument("--json", type=Path, help="write every run's figures here")
+    ap.add_argument("--json", type=Path, help="write every run's figures here, after each run")
     ap.add_argument("--from-json", type=Path, help="print the tables of the runs a --json file holds, training "
                                                    "nothing")
     args = ap.parse_args(argv)
@@ -242,8 +242,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def measure(args: argparse.Namespace) -> dict[Case, list[dict[str, float]]]:
-    """Train every case `args.repeats` times across namespaced islands; each run's figures."""
+def save(path: Path, results: dict[Case, list[dict[str, float]]], command: str, load: float, setup: dict) -> None:
+    """The runs so far, with what `--from-json` needs to print their tables (written whole, then
+    renamed into place: a benchmark stopped midway keeps every run it finished)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"command": command, "load": load, "setup": setup, "cases": [
+        {"setting": c.setting, "rate_mbit": c.rate_mbit, "tau": c.tau, "runs": runs}
+        for c, runs in results.items() if runs]}, indent=1))
+    partial.replace(path)
+
+
+def measure(args: argparse.Namespace, command: str, setup: dict) -> dict[Case, list[dict[str, float]]]:
+    """Train every case `args.repeats` times across namespaced islands; each run's figures (after
+    each run also in `args.json`, if given)."""
     # The unshaped reference gives a round's compute, which τ does not change: at τ = 0 only.
     cases = [Case(s, None, 0) for s in args.setting_list]
     cases += [Case(s, rate, tau) for rate in args.rate_list for s in args.setting_list for tau in args.tau_list]
@@ -261,6 +272,8 @@ def measure(args: argparse.Namespace) -> dict[Case, list[dict[str, float]]]:
                 job = IslandJob(net, Path(root) / f"{repeat}-{index}", items, args.processes, port)
                 figures = measure_run(net, job)
                 results[case].append(figures)
+                if args.json:
+                    save(args.json, results, command, os.getloadavg()[0], setup)
                 rate = "unshaped" if case.rate_mbit is None else f"{case.rate_mbit:g} Mbit/s"
                 print(f"[{repeat + 1}/{args.repeats}] {case.setting} τ={case.tau} {rate}: round "
                       f"{figures['round_s']:.2f} s, exposed {figures['sync_exposed_s']:.2f} s", file=sys.stderr,
@@ -282,10 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         results = {Case(c["setting"], c["rate_mbit"], c["tau"]): c["runs"] for c in saved["cases"]}
         command, load, setup = saved["command"], saved["load"], saved["setup"]
     else:
-        results = measure(args)
         command = f"python -m isoloco.bench.reallink {' '.join(argv if argv is not None else sys.argv[1:])}"
-        load = os.getloadavg()[0]
         setup = {key: getattr(args, key) for key in SETUP}
+        results = measure(args, command, setup)
+        load = os.getloadavg()[0]
     made = tables(results, setup["islands"], setup["processes"], setup["model"], setup["inner_steps"],
                   f"{setup['global_batch']} × {setup['seq_len']} tokens a step")
     text = "\n\n".join(table.markdown() for table in made)
@@ -295,9 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         with args.markdown.open("a") as markdown:
             markdown.write(text)
     if args.json and args.from_json is None:
-        args.json.write_text(json.dumps({"command": command, "load": load, "setup": setup, "cases": [
-            {"setting": c.setting, "rate_mbit": c.rate_mbit, "tau": c.tau, "runs": runs}
-            for c, runs in results.items()]}, indent=1))
+        save(args.json, results, command, load, setup)
     return 0
 
 
