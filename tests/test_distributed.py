@@ -710,6 +710,35 @@ def test_a_collective_holds_the_tensors_it_was_handed_until_its_wait():
     assert kept() is None
 
 
+def _gather_in_pieces(rank: int, world_size: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from isoloco.torch_comm import all_gather_blocks
+
+    _join_job(rank, world_size, port)
+    dist.init_process_group("gloo")
+    try:
+        parts = {"float rows": torch.arange(10.0).reshape(2, 5) + 100 * rank,  # 40 bytes: pieces of 3, 3, 3, 1
+                 "odd bytes": torch.arange(11, dtype=torch.uint8) + 20 * rank,
+                 "one piece": torch.tensor([rank], dtype=torch.int64)}
+        for what, part in parts.items():
+            work, gathered = all_gather_blocks(what, part, dist.group.WORLD, world_size, piece_bytes=12)
+            work.wait()
+            assert gathered.shape == (world_size, *part.shape), what
+            for member in range(world_size):
+                expected = part - (100 if what == "float rows" else 20 if what == "odd bytes" else 1) * (rank - member)
+                assert torch.equal(gathered[member], expected), (what, member, gathered[member])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_gloo_all_gathers_go_in_pieces_that_land_where_one_call_would_put_them():
+    """A block is cut into pieces of at most `piece_bytes` (the last shorter); every member's
+    block lands whole, in member order, whatever its dtype and shape."""
+    run_processes(_gather_in_pieces, 3, timeout=120)
+
+
 # -- many islands: the compressed sum in every layout, and no collective off the main thread ----
 
 #: Six processes: 6 islands of one (the exchange route), 3 islands of 2 processes (the exchange,

@@ -37,10 +37,22 @@ def test_the_loops_collectives_never_meet_a_synchronisation_in_flight(tmp_path, 
     assert landed.count(True) >= 2
 
 
+def overlapped_rounds(tmp_path) -> tuple[list[dict], list[float]]:
+    """Three overlapped rounds of two workers: their metrics lines and wall seconds."""
+    import json
+
+    cfg = resolve(None, {**helpers.SMALL, "method": "isoloco", "workers": 2, "inner_steps": 3, "steps": 9,
+                         "eval_every": 9, "outer.overlap_steps": 2})
+    (tmp_path / "run").mkdir()
+    Trainer(cfg, tmp_path / "run", progress=False).run()
+    rounds = [line for line in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+              if "compute_s" in line]
+    return rounds, [b["wall_time_s"] - a["wall_time_s"] for a, b in zip([{"wall_time_s": 0.0}, *rounds], rounds)]
+
+
 def test_a_rounds_compute_seconds_leave_out_what_it_waited_for_the_synchronisation(tmp_path, monkeypatch):
     """`compute_s` times the inner steps alone: a synchronisation's stage that takes 0.3 s more
     shows in the round's wall time and its exposed seconds, not in its compute."""
-    import json
     import time
 
     from isoloco.sync.inflight import InFlight
@@ -53,17 +65,34 @@ def test_a_rounds_compute_seconds_leave_out_what_it_waited_for_the_synchronisati
         yield
 
     monkeypatch.setattr(InFlight, "_on_stream", slow_stage)
-    cfg = resolve(None, {**helpers.SMALL, "method": "isoloco", "workers": 2, "inner_steps": 3, "steps": 9,
-                         "eval_every": 9, "outer.overlap_steps": 2})
-    (tmp_path / "run").mkdir()
-    Trainer(cfg, tmp_path / "run", progress=False).run()
-    rounds = [line for line in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-              if "compute_s" in line]
-    walls = [b["wall_time_s"] - a["wall_time_s"] for a, b in zip([{"wall_time_s": 0.0}, *rounds], rounds)]
+    rounds, walls = overlapped_rounds(tmp_path)
     # round 1 lands round 0's synchronisation mid-round, which waited at least one slow stage
     assert rounds[1]["sync_exposed_s"] >= 0.3
     assert all(line["compute_s"] > 0 for line in rounds)
     assert walls[1] - rounds[1]["compute_s"] >= rounds[1]["sync_exposed_s"] >= 0.3
+
+
+def test_the_wait_for_a_slower_peer_is_its_own_count_not_compute_nor_synchronisation(tmp_path, monkeypatch):
+    """With overlap on, a process that finished its steps first waits for the slowest at the round's
+    closing loss sum: `peer_wait_s` holds that wait (0.3 s here, a stand-in for a peer 0.3 s
+    slower), and neither the compute nor the exposed synchronisation does."""
+    import time
+
+    original = Distributed.sum
+    closing = []
+
+    def slower_peer(self, tensor):
+        if tensor.dim() == 2 and tensor.shape[0] == 2:  # the round's losses and step counts
+            closing.append(True)
+            time.sleep(0.3)
+        return original(self, tensor)
+
+    monkeypatch.setattr(Distributed, "sum", slower_peer)
+    rounds, walls = overlapped_rounds(tmp_path)
+    assert len(closing) == len(rounds) == 3
+    for wall, line in zip(walls, rounds):
+        assert 0.3 <= line["peer_wait_s"] < 0.3 + 0.1, line
+        assert wall - line["compute_s"] - line["sync_exposed_s"] >= 0.3, line  # in neither of those
 
 
 def test_a_stage_that_only_computes_waits_for_the_landing_so_the_transfers_have_the_window():

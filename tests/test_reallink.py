@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 
 from isoloco import checkpoint as ckpt
 from isoloco.bench.islandnet import IslandNet, owned_namespaces, remove_namespaces, unavailable_reason
-from isoloco.bench.reallink import IslandJob, run_items
+from isoloco.bench.reallink import IslandJob, probe_seconds, run_items
 from isoloco.config import parse_overrides, resolve, split_items
 from isoloco.data import load_token_data
 
@@ -194,6 +194,21 @@ def test_the_benchmark_explains_itself():
                            text=True, timeout=CAP_S)
     assert shown.returncode == 0, shown.stderr
     assert "network namespaces" in shown.stdout and "--rates" in shown.stdout and "root" in shown.stdout
+
+
+def test_the_probe_takes_the_shapers_time_and_a_short_queue_drops_what_the_counters_count():
+    """gloo's collectives alone cannot beat the shaper: each takes at least 90% of its bytes' time
+    at the rate. Behind a queue of 5 ms (6 KB at 10 Mbit/s) the shaper drops packets, which the
+    loss counters see, and TCP sends them again."""
+    size = 650_820  # tiny's int4 synchronisation per process
+    with IslandNet(2, 10, queue_ms=5) as net:
+        before = [net.tcp_losses(k) for k in range(2)]
+        seconds = probe_seconds(net, size, 1, 29647)
+        losses = [{name: net.tcp_losses(k)[name] - before[k][name] for name in before[k]} for k in range(2)]
+    assert set(seconds) == {"all_reduce", "all_gather", "all_gather in pieces"}
+    for name, (taken,) in seconds.items():
+        assert taken >= 0.9 * size * 8 / 10e6, (name, taken)
+    assert sum(loss["dropped"] for loss in losses) > 0 and sum(loss["retransmitted"] for loss in losses) > 0, losses
 
 
 # ------------------------------------------------------------------------ runs on the link

@@ -185,7 +185,7 @@ class TorchCommunicator(Communicator):
         local = torch.stack(tensors)
         part = self._slice(local)
         ready_at = self._cross("all_gather", nbytes(part))
-        work, blocks = _all_gather("merge all-gather", part, self._peers, self._layout.islands)
+        work, blocks = all_gather_blocks("merge all-gather", part, self._peers, self._layout.islands)
 
         def finish() -> list[torch.Tensor]:
             # Island i's block holds its workers' tensors, so the rows come in global worker order.
@@ -205,7 +205,7 @@ class TorchCommunicator(Communicator):
 
     def gather_peers(self, blob: torch.Tensor) -> Pending[list[torch.Tensor]]:
         ready_at = self._cross("all_gather", nbytes(blob))
-        work, blocks = _all_gather("compressed-sum all-gather", blob, self._peers, self._layout.islands)
+        work, blocks = all_gather_blocks("compressed-sum all-gather", blob, self._peers, self._layout.islands)
         return Pending([work], lambda: _blocks(blocks), ready_at)
 
     def join_island(self, part: torch.Tensor) -> Pending[list[torch.Tensor]]:
@@ -238,9 +238,9 @@ class TorchCommunicator(Communicator):
         return slots.movedim(0, -2).reshape(*exchanged.shape[:-1], -1)[..., :numel]
 
     def _gather_in_island(self, part: torch.Tensor) -> tuple[_Labelled, torch.Tensor]:
-        """Count and start the island's all-gather of each process's `part` (`_all_gather`)."""
+        """Count and start the island's all-gather of each process's `part` (`all_gather_blocks`)."""
         self.record("in_island", nbytes(part), wire_bytes("all_gather", nbytes(part), self._slices))
-        return _all_gather("island all-gather", part, self._island, self._slices)
+        return all_gather_blocks("island all-gather", part, self._island, self._slices)
 
     def _cross(self, kind: str, size: int, handed: int | None = None) -> float:
         """Count one collective of `kind` across islands sending `size` bytes (`handed` given
@@ -307,16 +307,48 @@ def _post(what: str, tensors: list[torch.Tensor], start: Callable[[], Any]) -> _
         return _Labelled(start(), what, tensors)
 
 
-def _all_gather(what: str, part: torch.Tensor, group: dist.ProcessGroup, members: int) -> tuple[_Labelled, torch.Tensor]:
+#: The most bytes of a member's block that one gloo all-gather carries. gloo sends a block as one
+#: message, and on a real slow TCP link (docs/benchmarks.md, "gloo's collectives alone") a
+#: block of megabytes crossed up to 50% slower than an all-reduce of the same bytes, where
+#: pieces of this size, all started at once, crossed at the all-reduce's rate. NCCL is left whole.
+GLOO_PIECE_BYTES = 1 << 16
+#: Pieces one all-gather is cut into at most, so a large block is not thousands of calls.
+_MAX_PIECES = 256
+
+
+class _AllOf:
+    """The `Work`s of one collective posted in pieces, waited for together."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+
+
+def all_gather_blocks(what: str, part: torch.Tensor, group: dist.ProcessGroup, members: int,
+                piece_bytes: int = GLOO_PIECE_BYTES) -> tuple[_Labelled, torch.Tensor]:
     """Start an all-gather of every member's `part` into one tensor, without a list of blocks
     to join afterwards; returns its handle and the result, shaped (members, *part.shape) once
-    the handle is waited for."""
+    the handle is waited for. Over gloo the block goes in pieces of at most `piece_bytes`."""
     flat = part.contiguous().view(-1)
     gathered = flat.new_empty(members * flat.numel())
-    # torch 2.13 renamed all_gather_into_tensor, which then warns; torch >= 2.9 is supported.
-    start = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = _post(what, [flat, gathered], lambda: start(gathered, flat, group=group, async_op=True))
-    return work, gathered.view(members, *part.shape)
+    piece = max(piece_bytes // flat.element_size(), -(-flat.numel() // _MAX_PIECES), 1)
+    if dist.get_backend(group) != "gloo" or flat.numel() <= piece:
+        # torch 2.13 renamed all_gather_into_tensor, which then warns; torch >= 2.9 is supported.
+        start = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = _post(what, [flat, gathered], lambda: start(gathered, flat, group=group, async_op=True))
+        return work, gathered.view(members, *part.shape)
+    rows = gathered.view(members, -1)
+
+    def start_pieces() -> _AllOf:
+        # Each piece lands straight in its columns of every member's row.
+        return _AllOf([dist.all_gather(list(rows[:, begin:begin + piece].unbind(0)), flat[begin:begin + piece],
+                                       group=group, async_op=True)
+                       for begin in range(0, flat.numel(), piece)])
+
+    return _post(what, [flat, gathered], start_pieces), gathered.view(members, *part.shape)
 
 
 #: Bytes a gathered block must start on to be read as any wider dtype (a uint8 blob's float32
@@ -325,7 +357,7 @@ _BLOCK_ALIGNMENT = 16
 
 
 def _blocks(gathered: torch.Tensor) -> list[torch.Tensor]:
-    """The blocks of an `_all_gather` result, in member order: views of it where every block
+    """The blocks of an `all_gather_blocks` result, in member order: views of it where every block
     starts aligned, copies where a block's size leaves the next one's start unaligned (empty
     blocks too: their views start one element apart)."""
     blocks = list(gathered.unbind(0))

@@ -179,6 +179,9 @@ class Trainer:
         self.elapsed = 0.0
         self.cpu_seconds = 0.0  # this process's CPU time in rounds, summed over resumes
         self.compute_s = 0.0  # wall seconds of the round's inner steps, without synchronisation
+        # Wall seconds the round's closing loss sum waited for the slowest process: where the
+        # processes' compute differs, no blocking synchronisation absorbs that wait with overlap on.
+        self.peer_wait_s = 0.0
         # The run's slow link, summed over rounds and resumes for summary.json (`_count_sync`).
         self.cross_island_wire_bytes = 0.0
         self.exposed_sync_s = 0.0
@@ -248,8 +251,10 @@ class Trainer:
             own = self.take_turn(worker, start, end)
             losses[:len(own)], took[:len(own)] = own, 1
         counted = self.algorithm.synchronise(worker_losses, round=start // self.cfg.inner_steps)
+        began = time.perf_counter()
         totals = self.dist.sum(torch.stack([(worker_losses[counted] * taken[counted]).sum(dim=0),
                                             taken[counted].sum(dim=0)]))
+        self.peer_wait_s = time.perf_counter() - began
         return totals[0] / totals[1]
 
     # -- evaluation ----------------------------------------------------------------------------
@@ -478,7 +483,8 @@ class Trainer:
         """One metrics line per step; the round's last carries `extra`, its wall time and its
         throughput (steps are timed as a round: workers take turns, then merge)."""
         trained = self.cfg.tokens_trained(end - start, end - start)
-        extra = {**extra, "wall_time_s": self.elapsed, "compute_s": self.compute_s, "tokens_per_s": trained / seconds}
+        extra = {**extra, "wall_time_s": self.elapsed, "compute_s": self.compute_s, "peer_wait_s": self.peer_wait_s,
+                 "tokens_per_s": trained / seconds}
         if self.spectra is not None:
             extra[SPECTRA_KEY] = self.spectra.take_records()
         for i, step in enumerate(range(start, end)):

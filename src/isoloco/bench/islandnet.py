@@ -219,12 +219,30 @@ class IslandNet:
         """Take island `island`'s link down (its hub end: the island sees no carrier) or bring it back."""
         _ip("-n", self.hub, "link", "set", f"hub{island}", "up" if up else "down")
 
-    def kernel_bytes(self, island: int) -> tuple[int, int]:
-        """(bytes, packets) the kernel's shaper has sent out of island `island` so far."""
+    def _shaper_counts(self, island: int) -> dict:
+        """The kernel's counters of island `island`'s egress queue (`tc -s qdisc`)."""
         shown = subprocess.run(["ip", "netns", "exec", self.namespace(island), "tc", "-s", "-j", "qdisc", "show",
                                 "dev", self.interface(island)], check=True, capture_output=True, text=True)
-        root = next(q for q in json.loads(shown.stdout) if q.get("root"))
+        return next(q for q in json.loads(shown.stdout) if q.get("root"))
+
+    def kernel_bytes(self, island: int) -> tuple[int, int]:
+        """(bytes, packets) the kernel's shaper has sent out of island `island` so far."""
+        root = self._shaper_counts(island)
         return int(root["bytes"]), int(root["packets"])
+
+    def tcp_losses(self, island: int) -> dict[str, int]:
+        """Loss on island `island`'s link so far: packets its shaper dropped (its queue full), and
+        its TCP's retransmitted segments and retransmission timeouts (the kernel's counters for the
+        island's namespace, /proc/net/snmp and /proc/net/netstat)."""
+        counters = subprocess.run(["ip", "netns", "exec", self.namespace(island), "cat", "/proc/net/snmp",
+                                   "/proc/net/netstat"], check=True, capture_output=True, text=True).stdout
+        lines = counters.splitlines()
+        named = {}  # each table is a header line of names and a line of values, both led by "Tcp:" etc.
+        for names, values in zip(lines[::2], lines[1::2]):
+            prefix = names.split(":")[0]
+            named.update({f"{prefix}.{n}": int(v) for n, v in zip(names.split()[1:], values.split()[1:])})
+        return {"dropped": int(self._shaper_counts(island)["drops"]), "retransmitted": named["Tcp.RetransSegs"],
+                "timeouts": named["TcpExt.TCPTimeouts"]}
 
     def payload_bytes(self, island: int) -> int:
         """What TCP carried out of the island: the kernel's bytes less every packet's headers

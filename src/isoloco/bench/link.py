@@ -105,7 +105,7 @@ def steady_rounds(metrics: list[dict]) -> dict[str, float]:
     steady = rounds[1:-1]
     figures = {key: statistics.median(line[key] for line in steady)
                for key in ("sync_s", "sync_exposed_s", "wire_bytes_cross_island", "collectives_cross_island",
-                           "compute_s") if key in steady[0]}
+                           "compute_s", "peer_wait_s") if key in steady[0]}
     return {"round_s": statistics.median(seconds[:-1]), **figures}
 
 

@@ -4,6 +4,7 @@ model and the planning model predict for the same run.
 
     python -m isoloco.bench.reallink [--islands 2] [--rates 10,100,1000] [--settings float32,int4]
                                      [--taus 0,2] [--repeats 3] [--markdown FILE]
+    python -m isoloco.bench.reallink --probe [--rates 10,100]     # gloo's collectives alone
 
 Needs root and iproute2 (`ip`, `tc`): it refuses in one line, exit status 2, where namespaces
 cannot be made. Each island is a namespace (`isoloco.bench.islandnet`); its processes are one node
@@ -24,7 +25,13 @@ case on an unshaped link gives the compute of a round on a link of no cost (its 
 exposed seconds) and the merge's own compute (its `sync_s`). The model's synchronisation is that
 merge compute plus the wire bytes at the rate with TCP's headers (`isoloco.sync.cost.Link` with
 `TCP_FRAMING`, no latency); its round is the compute plus what of that the τ overlapped steps do
-not hide.
+not hide. Each run also counts the loss on the links: packets the shapers dropped, and TCP's
+retransmitted segments and retransmission timeouts (`IslandNet.tcp_losses`). And each round
+records `peer_wait_s`, what its closing loss sum waited for the slowest process: with overlap on,
+the wait for a slower island that a blocking synchronisation would have absorbed.
+
+`--probe` trains nothing: it times gloo's all-reduce and all-gather alone, each sized to put the
+same bytes on a process's link (`isoloco.bench.linkprobe`), beside the model's seconds for them.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ RUN_TIMEOUT_S = 1800
 PORT_BASE = 29600
 #: What a table's title says of a run, kept with its figures in --json.
 SETUP = ("islands", "processes", "model", "inner_steps", "global_batch", "seq_len")
+#: The loss counters `IslandNet.tcp_losses` reads, in the order a table shows them.
+LOSSES = ("dropped", "retransmitted", "timeouts")
 
 
 @dataclass
@@ -118,13 +127,15 @@ def run_items(model: str, islands: int, processes: int, inner_steps: int, rounds
     steps = rounds * inner_steps
     return ["quick", *method, f"model={model}", f"workers={islands}", f"dist.gpus_per_worker={processes}",
             f"global_batch={global_batch}", f"seq_len={seq_len}", f"steps={steps}", f"inner_steps={inner_steps}", f"eval_every={steps}",
-            "checkpoint_every=0", "data.val_tokens=1024", "device=cpu", "dist.backend=gloo", "dist.timeout_s=300",
+            # A timing run: a batch large enough to fill the overlap window may repeat the corpus.
+            "checkpoint_every=0", "data.val_tokens=1024", "data.allow_repeat=true", "device=cpu", "dist.backend=gloo", "dist.timeout_s=300",
             f"outer.overlap_steps={tau}", *SETTINGS[setting]]
 
 
 def measure_run(net: IslandNet, job: IslandJob) -> dict[str, float]:
     """Train `job` and read its steady figures and the kernel's byte counts."""
     before = [net.payload_bytes(k) for k in range(net.islands)]
+    losses_before = [net.tcp_losses(k) for k in range(net.islands)]
     statuses = job.start().wait()
     if any(status != 0 for status in statuses):
         tails = {k: job.log(k).read_text().strip().splitlines()[-3:] for k in range(net.islands)}
@@ -135,8 +146,11 @@ def measure_run(net: IslandNet, job: IslandJob) -> dict[str, float]:
     syncs = sum(line.get("synchronisations", 1) for line in rounds)
     reported = sum(line["wire_bytes_cross_island"] for line in rounds)
     figures = steady_rounds(lines)
+    # Loss on the links, all islands together, per synchronisation (start-up and evaluation included).
+    losses = {f"{name}_per_sync": sum(net.tcp_losses(k)[name] - losses_before[k][name]
+                                      for k in range(net.islands)) / syncs for name in losses_before[0]}
     return {**figures, "kernel_bytes_per_sync": sent / (net.islands * job.processes) / syncs,
-            "reported_bytes_per_sync": reported / syncs}
+            "reported_bytes_per_sync": reported / syncs, **losses}
 
 
 @dataclass(frozen=True)
@@ -160,8 +174,9 @@ def tables(results: dict[Case, list[dict[str, float]]], islands: int, processes:
     for rate in rates:
         table = Table(f"The real link at {rate:g} Mbit/s: `{model}`, {islands} islands of {processes} process"
                       f"{'es' if processes > 1 else ''}, H = {inner_steps}, {batch}",
-                      ["setting", "τ", "round s", "exposed s", "beyond compute s", "sync s", "model sync s",
-                       "sync off", "model round s", "kernel bytes / sync", "reported bytes / sync", "bytes off"])
+                      ["setting", "τ", "round s", "÷ τ = 0", "exposed s", "peer wait s", "beyond compute s", "sync s",
+                       "model sync s", "sync off", "model round s", "kernel bytes / sync", "reported bytes / sync",
+                       "bytes off", "dropped / retransmitted / RTOs per sync"])
         for case in sorted((c for c in results if c.rate_mbit == rate), key=lambda c: (list(SETTINGS).index(c.setting),
                                                                                         c.tau)):
             runs = results[case]
@@ -177,17 +192,27 @@ def tables(results: dict[Case, list[dict[str, float]]], islands: int, processes:
             hidden = compute / inner_steps * case.tau if compute is not None else 0.0
             kernel = statistics.median(r["kernel_bytes_per_sync"] for r in runs)
             sync = statistics.median(r["sync_s"] for r in runs)
+            plain = results.get(Case(case.setting, case.rate_mbit, 0))
             table.add(case.setting, str(case.tau), median_range([r["round_s"] for r in runs], ".2f"),
+                      f"{statistics.median(r['round_s'] for r in runs) / statistics.median(r['round_s'] for r in plain):.2f}"
+                      if plain and case.tau else "—",
                       median_range([r["sync_exposed_s"] for r in runs], ".2f"),
+                      median_range([r["peer_wait_s"] for r in runs], ".2f")
+                      if all("peer_wait_s" in r for r in runs) else "—",
                       median_range([r["round_s"] - r["compute_s"] for r in runs], ".2f"),
                       median_range([r["sync_s"] for r in runs], ".2f"), f"{model_sync:.2f}",
                       f"{(sync - model_sync) / model_sync:+.0%}" if case.tau == 0 else "—",
                       f"{compute + max(0.0, model_sync - hidden):.2f}" if compute is not None else "—",
-                      f"{kernel:,.0f}", f"{reported:,.0f}", f"{(kernel - reported) / reported:+.1%}")
+                      f"{kernel:,.0f}", f"{reported:,.0f}", f"{(kernel - reported) / reported:+.1%}",
+                      " / ".join(f"{statistics.median(r[f'{name}_per_sync'] for r in runs):.1f}"
+                                 for name in LOSSES) if all(f"{LOSSES[0]}_per_sync" in r for r in runs) else "—")
         table.notes.append(
             "Median (range) over the repeats of the steady rounds' medians. round s: wall seconds per round; exposed "
-            "s: the synchronisation seconds the run reports training waited for; beyond compute s: round s less the "
-            "seconds its inner steps took (the run's compute_s), which the exposed seconds should account for; sync s: "
+            "s: the synchronisation seconds the run reports training waited for; peer wait s: what the round's closing "
+            "loss sum waited for the slowest process (the run's peer_wait_s; — where not recorded); beyond compute s: "
+            "round s less the seconds its inner steps took (the run's compute_s), which the exposed seconds and the "
+            "peer wait should account for; ÷ τ = 0: "
+            "round s against the same setting's at τ = 0; sync s: "
             "the synchronisation's seconds from start to end. model sync s: the merge's own compute (the unshaped "
             "run's sync s) plus the cost model's seconds for the reported wire bytes at this rate, TCP's headers "
             "charged (`isoloco.sync.cost.TCP_FRAMING`) and no latency (no delay is added to the link); sync off: "
@@ -196,9 +221,51 @@ def tables(results: dict[Case, list[dict[str, float]]], islands: int, processes:
             "steps do not hide. kernel bytes / sync: what TCP carried out of the islands (the shaper's count less 66 "
             "header bytes a packet), per process "
             "and synchronisation, start-up and evaluation traffic included; reported: the run's own "
-            "wire_bytes_cross_island (the cost model's count of what the collectives send).")
+            "wire_bytes_cross_island (the cost model's count of what the collectives send). dropped / "
+            "retransmitted / RTOs: packets the shapers' queues dropped, segments TCP sent again and its "
+            "retransmission timeouts, all islands together, per synchronisation (— where not recorded).")
         out.append(table)
     return out
+
+
+#: What the probe sends per process by default: tiny's float32, bf16 and int4 synchronisations.
+PROBE_BYTES = "5048576,2524288,650820"
+
+
+def probe_seconds(net: IslandNet, size: int, repeats: int, port: int) -> dict[str, list[float]]:
+    """gloo's all-reduce and all-gather alone across `net`'s islands, one process each, sized to put
+    `size` bytes on a process's link (`isoloco.bench.linkprobe`): the seconds of each call."""
+    command = [sys.executable, "-m", "isoloco.bench.linkprobe"]
+    procs = [subprocess.Popen(net.argv(k, [*command, str(k), str(net.islands), net.address(0), str(port), str(size),
+                                           str(repeats)], {"OMP_NUM_THREADS": "1"}),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k in range(net.islands)]
+    outputs = [proc.communicate(timeout=RUN_TIMEOUT_S) for proc in procs]
+    if any(proc.returncode for proc in procs):
+        raise RuntimeError(f"the link probe failed: {[err.strip().splitlines()[-1:] for _, err in outputs]}")
+    return json.loads(outputs[0][0].strip().splitlines()[-1])
+
+
+def probe_table(islands: int, rates: list[float], sizes: list[int], repeats: int) -> Table:
+    """`probe_seconds` at each rate and size, beside the cost model's seconds for those bytes."""
+    table = Table(f"gloo's collectives alone on the real link, {islands} islands of 1 process",
+                  ["rate Mbit/s", "bytes / process", "collective", "s", "model s", "off"])
+    with IslandNet(islands, None) as net:
+        for rate in rates:
+            for island in range(islands):
+                net.shape(island, rate)
+            for index, size in enumerate(sizes):
+                seconds = probe_seconds(net, size, repeats, PORT_BASE + 300 + index)
+                # The model charges every collective its bytes alone, whichever it is.
+                model = Link(bandwidth=rate * 1e6 / 8, latency=0.0, framing=TCP_FRAMING).collective_seconds(
+                    "all_reduce", size, islands)
+                for name, values in seconds.items():
+                    measured = statistics.median(values)
+                    table.add(f"{rate:g}", f"{size:,}", name, median_range(values, ".2f"), f"{model:.2f}",
+                              f"{(measured - model) / model:+.0%}")
+    table.notes.append(f"Median (range) of {repeats} calls each, the two collectives interleaved, each after a "
+                       "barrier; model: the bytes with TCP's headers at the rate, no latency.")
+    return table
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -219,6 +286,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--taus", default=None, help="overlap τ values (default: 0 and H/6)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds per run (the first and last are not steady)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--probe", action="store_true", help="time gloo's all-reduce and all-gather alone on the link "
+                                                         "(no training), for --probe-bytes per process")
+    ap.add_argument("--probe-bytes", default=PROBE_BYTES, help="bytes a probed collective puts on a process's "
+                                                               "link, comma-separated")
     ap.add_argument("--markdown", type=Path, help="append the tables here too")
     ap.add_argument("--json", type=Path, help="write every run's figures here, after each run")
     ap.add_argument("--from-json", type=Path, help="print the tables of the runs a --json file holds, training "
@@ -226,11 +297,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     try:
         args.rate_list = [float(r) for r in args.rates.split(",") if r]
+        args.probe_sizes = [int(b) for b in args.probe_bytes.split(",") if b]
         args.setting_list = [s for s in args.settings.split(",") if s]
         args.tau_list = ([int(t) for t in args.taus.split(",")] if args.taus
                          else sorted({0, args.inner_steps // 6}))
     except ValueError as err:
-        raise UsageError(f"--rates and --taus take comma-separated numbers: {err}") from None
+        raise UsageError(f"--rates, --taus and --probe-bytes take comma-separated numbers: {err}") from None
     unknown = [s for s in args.setting_list if s not in SETTINGS]
     if unknown:
         raise UsageError(f"--settings {','.join(unknown)} unknown: choose from {', '.join(SETTINGS)}")
@@ -290,6 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.probe:
+        command = f"python -m isoloco.bench.reallink {' '.join(argv if argv is not None else sys.argv[1:])}"
+        text = probe_table(args.islands, args.rate_list, args.probe_sizes, args.repeats).markdown()
+        text += f"\n\n`{command}`; load average {os.getloadavg()[0]:.2f} at the end.\n"
+        print(text)
+        if args.markdown:
+            with args.markdown.open("a") as markdown:
+                markdown.write(text)
+        return 0
     if args.from_json is not None:
         saved = json.loads(args.from_json.read_text())
         results = {Case(c["setting"], c["rate_mbit"], c["tau"]): c["runs"] for c in saved["cases"]}
