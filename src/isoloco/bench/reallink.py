@@ -263,8 +263,10 @@ def probe_table(islands: int, rates: list[float], sizes: list[int], repeats: int
                     measured = statistics.median(values)
                     table.add(f"{rate:g}", f"{size:,}", name, median_range(values, ".2f"), f"{model:.2f}",
                               f"{(measured - model) / model:+.0%}")
-    table.notes.append(f"Median (range) of {repeats} calls each, the two collectives interleaved, each after a "
-                       "barrier; model: the bytes with TCP's headers at the rate, no latency.")
+    table.notes.append(f"Median (range) of {repeats} calls each, the calls interleaved, each after a barrier. "
+                       "all_gather: one gloo call of the whole block; all_gather in pieces: as the engine "
+                       "starts it (`isoloco.torch_comm.GLOO_PIECE_BYTES`); model: the bytes with TCP's headers "
+                       "at the rate, no latency.")
     return table
 
 
