@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # CPU build of PyTorch; on a GPU machine install the CUDA build of torch>=2.9 first instead.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-fast install bench clean
+.PHONY: demo test test-all test-fast install bench clean
 
 install: $(VENV)/.installed
 
@@ -50,6 +50,11 @@ demo: install
 # fixtures (training runs several tests read) are built once; 0 runs them in this process.
 TEST_WORKERS ?= 2
 test: install
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not nightly"
+
+# Every test, the nightly variants too (tests marked `nightly`: heavy repeats of promises that a
+# quicker test in `make test` also holds).
+test-all: install
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The quick subset while editing: no test that starts processes or trains for seconds.

@@ -1,6 +1,6 @@
-"""A replica group SIGKILLed mid-round under torchft, for every rule: the survivor merges alone,
-the restarted group heals from it, and every committed round equals the simulator's partial
-merge of the groups that committed it.
+"""A replica group SIGKILLed mid-round under torchft, for every rule (`FAULT_METHODS`): the
+survivor merges alone, the restarted group heals from it, and every committed round equals the
+simulator's partial merge of the groups that committed it.
 
 Replica groups are real processes talking through a torchft lighthouse and gloo on 127.0.0.1
 (they need the extra: ``pip install -e '.[torchft]'``).
@@ -29,7 +29,7 @@ from isoloco.outer import OuterStep
 pytest.importorskip("torchft", reason="the torchft extra is not installed: pip install -e '.[torchft]'")
 
 from isoloco.torchft.replica import GroupRun, model_fragments, run_replica_group, start_lighthouse  # noqa: E402
-from torchft_groups import JOIN_S, QUORUM_METHODS, SPAWN, config, join_groups, record_synchronisations  # noqa: E402
+from torchft_groups import JOIN_S, SPAWN, config, join_groups, record_synchronisations  # noqa: E402
 
 pytestmark = [pytest.mark.torchft, pytest.mark.multiprocess]
 
@@ -40,8 +40,12 @@ ALONE = 3  # the survivor's step whose synchronisation it commits alone: the end
 #: from round 2, where group 1's second life heals from the survivor.
 QUORUMS = {0: [0, 1], 1: [0], 2: [0, 1], 3: [0, 1]}
 REJOIN = 2
-#: Every rule: the mean and Iso-C (torchft's all-reduce of the mean) and those merged in the quorum.
-FAULT_METHODS = ["diloco", "isoloco", *QUORUM_METHODS]
+#: Every rule. `make test` runs one per way a synchronisation goes through torchft: Iso-C on
+#: torchft's all-reduce of the mean, DARE merged in the quorum (its masks drawn from the step, so
+#: a recovered group must draw the survivor's) and Iso-CTS (two stages in the quorum); the mean
+#: (Iso-C's path, another outer step), TIES and TSV (DARE's path, no state of their own) are nightly.
+FAULT_METHODS = ["isoloco", "dare", "isocts",
+                 *(pytest.param(method, marks=pytest.mark.nightly) for method in ("diloco", "ties", "tsv"))]
 
 
 def _meet(out: Path, mine: str, theirs: str) -> None:

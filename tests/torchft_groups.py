@@ -22,9 +22,6 @@ import helpers
 # The simulator tests' tiny setting (tests/test_trainer.py): 2 workers, 3 outer steps.
 TINY = {**helpers.SMALL, "steps": 6, "inner_steps": 2, "workers": 2, "eval_every": 6, "device": "cpu"}
 
-#: The methods whose rule torchft's all-reduce of the mean does not carry.
-QUORUM_METHODS = ["dare", "ties", "tsv", "isocts"]
-
 SPAWN = multiprocessing.get_context("spawn")
 JOIN_S = 300  # every process here finishes in well under a minute; this only bounds a hang
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import statistics
 
-from scipy.stats import false_discovery_control, ttest_1samp
-from scipy.stats import t as student_t
+# scipy.stats is imported where it is used: every process of a run imports the CLI, which
+# registers `isoloco report`, and scipy.stats alone takes about a second to import.
 
 #: The equivalence margin of --compare, in % of B's mean final loss at the point compared.
 DEFAULT_MARGIN_PCT = 1.0
@@ -30,6 +30,8 @@ def mean_std(values: list[float]) -> tuple[float | None, float | None]:
 def t_quantile(confidence: float, df: int) -> float:
     """The t quantile that bounds a two-sided `confidence`% interval with `df` degrees of freedom:
     t_{0.975, df} for 95, t_{0.95, df} for 90 (exact, any df)."""
+    from scipy.stats import t as student_t
+
     return float(student_t.ppf(0.5 + confidence / 200, df))
 
 
@@ -38,6 +40,8 @@ def paired_p(differences: list[float]) -> float:
     scipy's one-sample t-test of the per-seed differences, which is `ttest_rel` of the two sides."""
     if statistics.stdev(differences) == 0:  # every seed the same difference: certain, unless that is 0
         return 1.0 if differences[0] == 0 else 0.0
+    from scipy.stats import ttest_1samp
+
     return float(ttest_1samp(differences, 0.0).pvalue)
 
 
@@ -48,6 +52,8 @@ def tost_p(differences: list[float], margin: float) -> float:
     (1 − 2α) t-interval of the mean lies inside the margin."""
     if statistics.stdev(differences) == 0:  # no spread: inside the margin or not, with certainty
         return 0.0 if -margin < differences[0] < margin else 1.0
+    from scipy.stats import ttest_1samp
+
     above_lower = ttest_1samp(differences, -margin, alternative="greater").pvalue
     below_upper = ttest_1samp(differences, margin, alternative="less").pvalue
     return float(max(above_lower, below_upper))
@@ -60,6 +66,8 @@ def benjamini_hochberg(pvalues: list[float]) -> list[float]:
     whole family at q."""
     if not pvalues:
         return []
+    from scipy.stats import false_discovery_control
+
     return [float(p) for p in false_discovery_control(pvalues, method="bh")]
 
 
