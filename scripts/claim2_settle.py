@@ -14,9 +14,10 @@ On the repro-cpu-r128 preset, in the order they start:
    DiLoCo's step held fixed.
 3. Twice the rounds: DiLoCo and IsoLoCo at R = 16 and R = 128 at their searched outer steps,
    steps=960 (32 synchronisations at H = 30, the schedule over 960), seeds 1-5.
-Items 2 and 3 run at each method's inner lr chosen in item 1 (`needs`). Should a method choose an
-inner lr other than 0.016, its item-2 cells leave the grid's inner lr, and the pre-registration
-names the extra cells that keep that contrast like for like; they are not laid out here until then.
+Items 2 and 3 run at each method's inner lr chosen in item 1 (`needs`). Where a method chooses an
+inner lr other than the grid's 0.016, the pre-registration runs its grid cells at R = 32 and 64
+(the grid's own outer steps there) at that inner lr too, seeds 1-3, so that each R = 32 -> 64
+contrast compares runs at one inner lr; they join the layout once the method's search completes.
 
 Layout under DIR: `select/<search>-<lr>/` (seed 0), `swap/diloco-R<R>-<step>/` (seeds 1-3),
 `long/<method>-R<R>/` (seeds 1-5) and `selection.md`. Finished runs are skipped, so rerunning
@@ -44,6 +45,11 @@ LONG_SEEDS = "1,2,3,4,5"
 SWAP_SEEDS = "1,2,3"
 #: DiLoCo's step swapped between R = 32 and R = 64: each R at the other's step
 SWAP = ((32, (0.7, 0.6)), (64, (1.0, 0.6)))
+
+
+def grid_step(method: str, workers: int) -> tuple[float, float]:
+    """The outer step the R-to-128 grid ran `method` at: R = 16's choice up to R = 32, R = 128's from 64."""
+    return SEARCHED_STEP[method, 16 if workers <= 32 else 128]
 
 
 def inner_label(lr: float, _: float) -> str:
@@ -89,6 +95,12 @@ def plan(out: Path) -> tuple[list[Task], list[Search]]:
     for workers, step in SWAP:
         tasks.append(Task(out / "swap" / f"diloco-R{workers}-{step_name(*step)}", "diloco", workers, SWAP_SEEDS,
                           step_overrides(*step), PRESET, needs=(inner["diloco"],)))
+    for method, search in inner.items():
+        if search.complete() and search.chosen().step[0] != GRID_INNER_LR:
+            for workers in (32, 64):
+                step = grid_step(method, workers)
+                tasks.append(Task(out / "swap" / f"{method}-R{workers}-{step_name(*step)}", method, workers,
+                                  SWAP_SEEDS, step_overrides(*step), PRESET, needs=(search,)))
     for workers in (16, 128):
         for method in ("diloco", "isoloco"):
             tasks.append(Task(out / "long" / f"{method}-R{workers}", method, workers, LONG_SEEDS,

@@ -203,9 +203,12 @@ def dry_run(out: Path, tasks: list[Task]) -> None:
 
 
 def drive(out: Path, tasks: list[Task], searches: list[Search], default_lanes: int,
-          write_selection: Callable[[], None]) -> int:
+          write_selection: Callable[[], None],
+          replan: Callable[[], tuple[list[Task], list[Search]]] | None = None) -> int:
     """Train every task, `lanes` runs at once, until none is left that can start; 0 when all
-    finished, 1 when a run failed or a task waits on a search whose run failed."""
+    finished, 1 when a run failed or a task waits on a search whose run failed. With `replan`,
+    the tasks and searches are laid out afresh from the finished runs before each start, so a
+    task that a search's choice calls for joins as soon as the search completes."""
     isoloco = [sys.executable, "-m", "isoloco"]
     out.mkdir(parents=True, exist_ok=True)
     running: dict[Path, subprocess.Popen] = {}
@@ -217,7 +220,10 @@ def drive(out: Path, tasks: list[Task], searches: list[Search], default_lanes: i
                 if proc.returncode != 0:
                     failed.add(folder)
                     print(f"failed ({proc.returncode}): {folder}", file=sys.stderr, flush=True)
-        extend(tasks, searches)
+        if replan is not None:
+            tasks[:], searches[:] = replan()  # in place: write_selection reads `searches`
+        else:
+            extend(tasks, searches)
         write_selection()
         pending = [t for t in tasks if t.out not in running and t.out not in failed and not t.done()]
         elsewhere = [t for t in pending if t.elsewhere()]
@@ -245,9 +251,14 @@ def grid_main(doc: str, default_out: Path, plan: Callable[[Path], tuple[list[Tas
     ap.add_argument("--dry-run", action="store_true", help="print what would run next and stop")
     args = ap.parse_args()
     out = args.out.resolve()
-    tasks, searches = plan(out)
-    extend(tasks, searches)
+
+    def layout() -> tuple[list[Task], list[Search]]:
+        tasks, searches = plan(out)
+        extend(tasks, searches)
+        return tasks, searches
+
+    tasks, searches = layout()
     if args.dry_run:
         dry_run(out, tasks)
         return 0
-    return drive(out, tasks, searches, args.lanes, lambda: write_selection(out, searches))
+    return drive(out, tasks, searches, args.lanes, lambda: write_selection(out, searches), replan=layout)
