@@ -78,3 +78,43 @@ def test_a_search_that_needs_another_waits_for_it_and_takes_both_choices(tmp_pat
     assert outer.complete() and evaluation.ready()
     command = " ".join(evaluation.command(["isoloco"]))
     assert "inner.lr=0.016 outer.optimizer=nesterov outer.momentum=0.3 outer.lr=1.0" in command
+
+
+def test_the_driver_lays_the_tasks_out_afresh_so_a_task_a_finished_run_calls_for_joins(tmp_path, monkeypatch):
+    """With `replan`, a task the layout adds only once another task has finished is trained in the
+    same drive, without a restart; without it, the first layout is all that runs."""
+    first = tuned.Task(tmp_path / "first", "isoloco", 8, "0", "", "repro-cpu")
+    follow = tuned.Task(tmp_path / "follow", "isoloco", 8, "1", "", "repro-cpu")
+
+    def layout():
+        return ([first, follow] if first.done() else [first]), []
+
+    started = []
+
+    class FinishedRun:
+        """A stand-in for the sweep process: its runs are finished as it starts."""
+
+        def __init__(self, command, **_):
+            task = {str(t.out): t for t in (first, follow)}[command[command.index("--out") + 1]]
+            started.append(task.out.name)
+            for run in task.runs():
+                run.mkdir(parents=True)
+                (run / "summary.json").write_text(json.dumps({"final_val_loss": 5.0}))
+
+        def poll(self):
+            return 0
+
+        returncode = 0
+
+    monkeypatch.setattr(tuned.subprocess, "Popen", FinishedRun)
+    monkeypatch.setattr(tuned.time, "sleep", lambda _: None)
+    tasks, searches = layout()
+    assert tuned.drive(tmp_path, tasks, searches, 1, lambda: None, replan=layout) == 0
+    assert started == ["first", "follow"] and follow.done()
+    # The same without replan stops after the first layout.
+    other = tmp_path / "again"
+    first.out, follow.out = other / "first", other / "follow"
+    started.clear()
+    tasks, searches = layout()
+    assert tuned.drive(tmp_path, tasks, searches, 1, lambda: None) == 0
+    assert started == ["first"] and not follow.done()

@@ -1,0 +1,71 @@
+"""scripts/claim2_settle.py: the pre-registration's step swap gains a method's grid cells at R = 32
+and 64, at its inner lr, once that method's search chooses an inner lr other than the grid's."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture
+def settle(monkeypatch, tmp_path):
+    spec = importlib.util.spec_from_file_location("claim2_settle", SCRIPTS / "claim2_settle.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up while built
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "GRID", tmp_path / "grid")  # the grid's shared points, made here
+    return module
+
+
+def finish_search(settle, out: Path, method: str, best: float) -> None:
+    """Train `method`'s inner-lr search to its end on a loss least at `best`, as the driver would:
+    every point laid out, then the ladder's next past an edge."""
+    while True:
+        _, searches = settle.plan(out)
+        search = next(s for s in searches if s.method == method)
+        if search.complete():
+            assert search.chosen().step[0] == best
+            return
+        for task in search.grid:
+            if not task.done():
+                run = task.runs()[0]
+                run.mkdir(parents=True)
+                loss = 4.0 + abs(math.log2(task.step[0] / best))
+                (run / "summary.json").write_text(json.dumps({"final_val_loss": loss}))
+
+
+def swap_cells(settle, out: Path) -> dict[str, str | None]:
+    """The swap's cells laid out now, each with its command once the searches it needs are complete."""
+    tasks, _ = settle.plan(out)
+    return {task.out.name: " ".join(task.command(["isoloco"])) if task.ready() else None
+            for task in tasks if task.out.parent.name == "swap"}
+
+
+def test_a_method_choosing_another_inner_lr_runs_its_grid_cells_at_r32_and_64_at_that_lr(settle, tmp_path):
+    out = tmp_path / "out"
+    swapped = {"diloco-R32-mu0.6-lr0.7", "diloco-R64-mu0.6-lr1.0"}
+    assert set(swap_cells(settle, out)) == swapped
+    finish_search(settle, out, "diloco", 0.004)
+    cells = swap_cells(settle, out)
+    # DiLoCo's grid steps there: R = 16's choice (lr 1.0) up to R = 32, R = 128's (lr 0.7) from 64.
+    assert set(cells) == swapped | {"diloco-R32-mu0.6-lr1.0", "diloco-R64-mu0.6-lr0.7"}
+    for name, command in cells.items():
+        workers = name.split("-")[1].removeprefix("R")
+        assert "inner.lr=0.004" in command and f"--workers {workers}" in command and "--seeds 1,2,3" in command
+    assert "outer.lr=1.0" in cells["diloco-R32-mu0.6-lr1.0"] and "outer.lr=0.7" in cells["diloco-R64-mu0.6-lr0.7"]
+    # IsoLoCo keeping the grid's inner lr needs no cell of its own: the grid ran them.
+    finish_search(settle, out, "isoloco", settle.GRID_INNER_LR)
+    assert set(swap_cells(settle, out)) == swapped | {"diloco-R32-mu0.6-lr1.0", "diloco-R64-mu0.6-lr0.7"}
+
+
+def test_isoloco_choosing_another_inner_lr_runs_its_own_cells_at_its_grid_step(settle, tmp_path):
+    out = tmp_path / "out"
+    finish_search(settle, out, "isoloco", 0.008)
+    cells = {name: command for name, command in swap_cells(settle, out).items() if name.startswith("isoloco")}
+    assert set(cells) == {"isoloco-R32-mu0.6-lr1.5", "isoloco-R64-mu0.6-lr1.5"}
+    assert all("inner.lr=0.008" in command and "outer.lr=1.5" in command for command in cells.values())
