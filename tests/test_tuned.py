@@ -1,5 +1,6 @@
-"""isoloco.tuned: a search's ladder beyond an edge, a run held elsewhere, and a search whose
-choice a later search and the evaluation take (dp's inner lr before the outer step)."""
+"""isoloco.tuned: a search's ladder beyond an edge, a run held elsewhere, a search whose choice a
+later search and the evaluation take (dp's inner lr before the outer step), and a driver that lays
+its tasks out afresh as runs finish."""
 
 import json
 
