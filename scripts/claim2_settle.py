@@ -19,16 +19,21 @@ inner lr other than the grid's 0.016, the pre-registration runs its grid cells a
 (the grid's own outer steps there) at that inner lr too, seeds 1-3, so that each R = 32 -> 64
 contrast compares runs at one inner lr; they join the layout once the method's search completes.
 
-Layout under DIR: `select/<search>-<lr>/` (seed 0), `swap/diloco-R<R>-<step>/` (seeds 1-3),
-`long/<method>-R<R>/` (seeds 1-5) and `selection.md`. Finished runs are skipped, so rerunning
+Layout under DIR: `select/<search>-<lr>/` (seed 0), `swap/<method>-R<R>-<step>/` (seeds 1-3),
+`long/<method>-R<R>/` (seeds 1-5), `selection.md`, and `long/contrast.md`: the pre-registered
+contrast at every evaluation of the seeds whose four runs have reached it, and its outcome. Finished runs are skipped, so rerunning
 continues; the file `DIR/lanes`, if present, holds how many runs go at once.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 from pathlib import Path
 
+from isoloco.report.stats import mean_ci
+from isoloco.sweep import run_name
 from isoloco.tuned import Search, Task, extend, grid_main, selection_rows, step_name, step_overrides
 
 PRESET = "repro-cpu-r128"
@@ -45,6 +50,10 @@ LONG_SEEDS = "1,2,3,4,5"
 SWAP_SEEDS = "1,2,3"
 #: DiLoCo's step swapped between R = 32 and R = 64: each R at the other's step
 SWAP = ((32, (0.7, 0.6)), (64, (1.0, 0.6)))
+#: The pre-registered equivalence margin of the contrast, in final validation loss.
+MARGIN = 0.05
+#: The contrast's four cells, each with its sign: (IsoLoCo − DiLoCo at R = 128) − (the same at R = 16).
+CONTRAST = ((("isoloco", 128), 1), (("diloco", 128), -1), (("isoloco", 16), -1), (("diloco", 16), 1))
 
 
 def grid_step(method: str, workers: int) -> tuple[float, float]:
@@ -117,6 +126,66 @@ def write_selection(out: Path, searches: list[Search]) -> None:
              "| method | R | inner lr: final loss (seed 0) | chosen |", "|---|---|---|---|"]
     lines += selection_rows(searches, lambda search: f"{search.method} | {search.workers}")
     (out / "selection.md").write_text("\n".join(lines) + "\n")
+    write_contrast(out)
+
+
+def evaluations(run: Path) -> dict[int, float]:
+    """A run's validation loss at each evaluation step (none before it starts)."""
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    return {record["step"]: record["val_loss"] for record in map(json.loads, lines) if "val_loss" in record}
+
+
+def contrast_by_step(long: Path) -> dict[int, dict[int, float]]:
+    """step -> {seed: d_s}, d_s = (L_IsoLoCo,128 − L_DiLoCo,128) − (L_IsoLoCo,16 − L_DiLoCo,16), for
+    the seeds whose four runs have all been evaluated at that step."""
+    by_step: dict[int, dict[int, float]] = {}
+    for seed in map(int, LONG_SEEDS.split(",")):
+        cells = [(sign, evaluations(long / f"{method}-R{workers}" / run_name(method, workers, Task.inner_steps, seed)))
+                 for (method, workers), sign in CONTRAST]
+        for step in set.intersection(*(set(losses) for _, losses in cells)):
+            by_step.setdefault(step, {})[seed] = sum(sign * losses[step] for sign, losses in cells)
+    return by_step
+
+
+def outcome(values: list[float]) -> str:
+    """The pre-registered outcome of the contrast's per-seed values (docs/claims/claims-1-3.md)."""
+    if len(values) < 2 or not all(math.isfinite(v) for v in values):
+        return "not shown"
+    mean, half95 = mean_ci(values, 95)
+    _, half90 = mean_ci(values, 90)
+    inside = -MARGIN < mean - half90 and mean + half90 < MARGIN
+    if mean + half95 < 0:
+        return "grows, by less than the margin" if inside else "grows"
+    if mean - half95 > 0:
+        return "shrinks"
+    return "level" if inside else "not shown"
+
+
+def write_contrast(out: Path) -> None:
+    """long/contrast.md: the contrast at every evaluation reached, with its 95% and 90% t-intervals
+    over the seeds, and the outcome at the last step once every seed has finished."""
+    long = out / "long"
+    by_step = contrast_by_step(long)
+    if not by_step:
+        return
+    seeds = LONG_SEEDS.split(",")
+    rows = []
+    for step, values in sorted(by_step.items()):
+        mean, half95 = mean_ci(list(values.values()), 95)
+        _, half90 = mean_ci(list(values.values()), 90)
+        interval = lambda half: "—" if half is None else f"[{mean - half:+.4f}, {mean + half:+.4f}]"
+        rows.append(f"| {step} | {len(values)} | {mean:+.4f} | {interval(half95)} | {interval(half90)} |")
+    last = by_step.get(LONG_STEPS, {})
+    verdict = (f"**Outcome at step {LONG_STEPS}** (the pre-registered test, margin ±{MARGIN}): "
+               f"{outcome(list(last.values()))}." if len(last) == len(seeds)
+               else f"Outcome at step {LONG_STEPS}: to come ({len(last)} of {len(seeds)} seeds there).")
+    lines = ["# Claim 2 past R = 16: the contrast at every evaluation", "",
+             "`python scripts/claim2_settle.py` writes this file. Per seed, d = (IsoLoCo − DiLoCo at R = 128) − "
+             "(IsoLoCo − DiLoCo at R = 16) in validation loss at each evaluation its four runs have reached; C is "
+             "the mean over those seeds, with its t-intervals. Negative: IsoLoCo's lead is larger at R = 128.", "",
+             "| step | seeds | C | 95% interval | 90% interval |", "|---|---|---|---|---|", *rows, "", verdict]
+    (long / "contrast.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> int:
