@@ -106,6 +106,7 @@ def test_the_contrast_is_drawn_at_every_evaluation_its_seeds_reached(settle, tmp
     ([0.08, 0.10, 0.09, 0.11, 0.12], "shrinks"),
     ([0.01, -0.01, 0.0, 0.005, -0.005], "level"),  # 90% interval 0 ± 0.0075, inside ±0.05, 95% holds 0
     ([0.10, -0.10, 0.05, -0.05, 0.0], "not shown"),  # 90% interval 0 ± 0.075 reaches past the margin
+    ([-0.06, 0.0, -0.03, -0.05, -0.01], "not shown"),  # below 0 at 90% (-0.03 ± 0.0243), not at 95% (± 0.0317)
     ([-0.10, -0.12, float("nan"), -0.09, -0.10], "not shown"),  # a run ended non-finite
 ])
 def test_the_outcome_is_the_one_the_preregistration_names(settle, values, expected):
