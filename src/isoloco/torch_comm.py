@@ -308,9 +308,9 @@ def _post(what: str, tensors: list[torch.Tensor], start: Callable[[], Any]) -> _
 
 
 #: The most bytes of a member's block that one gloo all-gather carries. gloo sends a block as one
-#: message, and on a real slow TCP link (docs/benchmarks.md, "gloo's collectives alone") a
-#: block of megabytes crossed up to 50% slower than an all-reduce of the same bytes, where
-#: pieces of this size, all started at once, crossed at the all-reduce's rate. NCCL is left whole.
+#: message, and on a real slow TCP link a block of megabytes crossed slower than an all-reduce of
+#: the same bytes, where pieces of this size, all started at once, crossed at the all-reduce's
+#: rate (docs/benchmarks.md, "gloo's collectives alone"). NCCL's all-gathers are left whole.
 GLOO_PIECE_BYTES = 1 << 16
 #: Pieces one all-gather is cut into at most, so a large block is not thousands of calls.
 _MAX_PIECES = 256
@@ -328,7 +328,7 @@ class _AllOf:
 
 
 def all_gather_blocks(what: str, part: torch.Tensor, group: dist.ProcessGroup, members: int,
-                piece_bytes: int = GLOO_PIECE_BYTES) -> tuple[_Labelled, torch.Tensor]:
+                      piece_bytes: int = GLOO_PIECE_BYTES) -> tuple[_Labelled, torch.Tensor]:
     """Start an all-gather of every member's `part` into one tensor, without a list of blocks
     to join afterwards; returns its handle and the result, shaped (members, *part.shape) once
     the handle is waited for. Over gloo the block goes in pieces of at most `piece_bytes`."""
