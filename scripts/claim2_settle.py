@@ -20,9 +20,11 @@ inner lr other than the grid's 0.016, the pre-registration runs its grid cells a
 contrast compares runs at one inner lr; they join the layout once the method's search completes.
 
 Layout under DIR: `select/<search>-<lr>/` (seed 0), `swap/<method>-R<R>-<step>/` (seeds 1-3),
-`long/<method>-R<R>/` (seeds 1-5), `selection.md`, and `long/contrast.md`: the pre-registered
-contrast at every evaluation of the seeds whose four runs have reached it, and its outcome. Finished runs are skipped, so rerunning
-continues; the file `DIR/lanes`, if present, holds how many runs go at once.
+`long/<method>-R<R>/` (seeds 1-5), `selection.md`, `swap/swap.md`: the R = 32 -> 64 change with
+DiLoCo's step held at each value and its pre-registered reading, and `long/contrast.md`: the
+pre-registered contrast at every evaluation of the seeds whose four runs have reached it, and its
+outcome. Finished runs are skipped, so rerunning continues; the file `DIR/lanes`, if present, holds
+how many runs go at once.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import math
 import sys
 from pathlib import Path
 
-from isoloco.report.stats import mean_ci
+from isoloco.report.stats import mean_ci, paired_p
 from isoloco.sweep import run_name
 from isoloco.tuned import Search, Task, extend, grid_main, selection_rows, step_name, step_overrides
 
@@ -52,6 +54,8 @@ SWAP_SEEDS = "1,2,3"
 SWAP = ((32, (0.7, 0.6)), (64, (1.0, 0.6)))
 #: The pre-registered equivalence margin of the contrast, in final validation loss.
 MARGIN = 0.05
+#: The swap's change is called when its paired t-test's two-sided p is below this (95%).
+SWAP_ALPHA = 0.05
 #: The contrast's four cells, each with its sign: (IsoLoCo − DiLoCo at R = 128) − (the same at R = 16).
 CONTRAST = ((("isoloco", 128), 1), (("diloco", 128), -1), (("isoloco", 16), -1), (("diloco", 16), 1))
 
@@ -126,7 +130,77 @@ def write_selection(out: Path, searches: list[Search]) -> None:
              "| method | R | inner lr: final loss (seed 0) | chosen |", "|---|---|---|---|"]
     lines += selection_rows(searches, lambda search: f"{search.method} | {search.workers}")
     (out / "selection.md").write_text("\n".join(lines) + "\n")
+    write_swap(out)
     write_contrast(out)
+
+
+def final_losses(cell: Path, method: str, workers: int) -> dict[int, float]:
+    """seed -> final validation loss of the swap seeds of `cell` that have finished."""
+    losses = {}
+    for seed in map(int, SWAP_SEEDS.split(",")):
+        summary = cell / run_name(method, workers, Task.inner_steps, seed) / "summary.json"
+        if summary.is_file():
+            losses[seed] = json.loads(summary.read_text()).get("final_val_loss", math.nan)
+    return losses
+
+
+def swap_change(swap: Path, diloco_steps: dict[int, tuple[float, float]]) -> dict[int, float]:
+    """seed -> the change of IsoLoCo − DiLoCo from R = 32 to 64 in final loss, DiLoCo at
+    `diloco_steps[R]` and IsoLoCo at its grid step, for the seeds whose four runs have finished."""
+    cells = []
+    for workers, sign in ((64, 1), (32, -1)):
+        for method, step in (("isoloco", grid_step("isoloco", workers)), ("diloco", diloco_steps[workers])):
+            losses = final_losses(swap / f"{method}-R{workers}-{step_name(*step)}", method, workers)
+            cells.append((sign if method == "isoloco" else -sign, losses))
+    seeds = set.intersection(*(set(losses) for _, losses in cells))
+    return {seed: sum(sign * losses[seed] for sign, losses in cells) for seed in sorted(seeds)}
+
+
+def swap_reading(called: dict[str, bool]) -> str:
+    """What the pre-registration says the two held-step tests mean together."""
+    if all(called.values()):
+        return "the change is called with DiLoCo's step held at either value: the step switch is not its cause."
+    if not any(called.values()):
+        return "the change is called at neither held step: the grid's change is not shown apart from the step switch."
+    held = next(name for name, yes in called.items() if yes)
+    return f"the change is called only with DiLoCo's step held at {held}."
+
+
+def write_swap(out: Path) -> None:
+    """swap/swap.md: the change of IsoLoCo − DiLoCo from R = 32 to 64 with DiLoCo's step held at
+    lr 1.0 and at lr 0.7, each a paired t-test over seeds 1-3, and the grid's own pairing (the step
+    switching with R) at the same inner lr, beside them; the reading once every run has finished."""
+    swap = out / "swap"
+    low, high = grid_step("diloco", 32), grid_step("diloco", 64)  # lr 1.0 and lr 0.7
+    pairings = {f"lr {low[0]} at both R": {32: low, 64: low}, f"lr {high[0]} at both R": {32: high, 64: high},
+                f"the grid's: lr {low[0]} at R = 32, {high[0]} at R = 64": {32: low, 64: high}}
+    rows, called = [], {}
+    for name, steps in pairings.items():
+        changes = swap_change(swap, steps)
+        values = list(changes.values())
+        if len(values) < 2:
+            rows.append(f"| {name} | {len(values)} | — | — | — | to come |")
+            continue
+        mean, half = mean_ci(values, 95)
+        p = paired_p(values) if all(map(math.isfinite, values)) else math.nan
+        done = len(values) == len(SWAP_SEEDS.split(","))
+        verdict = ("called" if p < SWAP_ALPHA else "not called") if done else "to come"
+        if done and "both" in name:
+            called[f"lr {steps[32][0]}"] = p < SWAP_ALPHA
+        per_seed = ", ".join(f"{v:+.4f}" for v in values)
+        rows.append(f"| {name} | {len(values)} ({per_seed}) | {mean:+.4f} | [{mean - half:+.4f}, {mean + half:+.4f}] "
+                    f"| {p:.3g} | {verdict} |")
+    reading = (f"**Reading** (the pre-registered rule): {swap_reading(called)}" if len(called) == 2
+               else "Reading: to come, once both held-step tests have every seed.")
+    lines = ["# The step swap: the change from R = 32 to 64 with DiLoCo's step held", "",
+             "`python scripts/claim2_settle.py` writes this file. Per seed, the change = (IsoLoCo − DiLoCo at R = 64) "
+             "− (IsoLoCo − DiLoCo at R = 32) in final validation loss at step 480, every run at the inner lr its "
+             "method's search chose at R = 128, IsoLoCo at μ 0.6 lr 1.5. Positive: IsoLoCo's lead is smaller at "
+             f"R = 64. Paired t-test over the seeds, two-sided, called at p < {SWAP_ALPHA}; the grid's pairing "
+             "is shown beside the two held steps and is not one of the pre-registered tests.", "",
+             "| DiLoCo's step | seeds (per seed) | change | 95% interval | p | verdict |", "|---|---|---|---|---|---|",
+             *rows, "", reading]
+    (swap / "swap.md").write_text("\n".join(lines) + "\n")
 
 
 def evaluations(run: Path) -> dict[int, float]:

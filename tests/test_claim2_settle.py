@@ -111,3 +111,71 @@ def test_the_contrast_is_drawn_at_every_evaluation_its_seeds_reached(settle, tmp
 ])
 def test_the_outcome_is_the_one_the_preregistration_names(settle, values, expected):
     assert settle.outcome(values) == expected
+
+
+#: each swap cell's final loss before a test's per-seed offsets
+SWAP_LOSSES = {"isoloco-R32-mu0.6-lr1.5": 4.50, "isoloco-R64-mu0.6-lr1.5": 4.60, "diloco-R32-mu0.6-lr1.0": 4.80,
+               "diloco-R64-mu0.6-lr1.0": 4.85, "diloco-R32-mu0.6-lr0.7": 4.82, "diloco-R64-mu0.6-lr0.7": 4.95}
+
+
+def write_swap_run(out: Path, cell: str, seed: int, loss: float) -> None:
+    method, workers = cell.split("-")[:2]
+    run = out / "swap" / cell / f"{method}-{workers}-H30-s{seed}"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"final_val_loss": loss}))
+
+
+def test_the_swap_holds_dilocos_step_and_reads_the_change_as_preregistered(settle, tmp_path):
+    """IsoLoCo 4.50 at R = 32 and 4.60 at 64; DiLoCo at lr 1.0 4.80 and 4.85, at lr 0.7 4.82 and 4.95,
+    seed s adding 0.01 * s to DiLoCo at R = 64 only. Held at lr 1.0 the change is
+    (4.60 - 4.85 - 0.01s) - (4.50 - 4.80) = 0.05 - 0.01s: 0.04, 0.03, 0.02 (mean 0.03, sd 0.01,
+    t(0.975, 2) = 4.3027: half-width 0.024842; t = 5.196, p 0.0351); held at lr 0.7: (4.60 - 4.95 - 0.01s) -
+    (4.50 - 4.82) = -0.03 - 0.01s: -0.04, -0.05, -0.06 (t = -8.660, p 0.0131). Both called: the switch is not the cause."""
+    out = tmp_path / "out"
+    for cell, loss in SWAP_LOSSES.items():
+        for seed in (1, 2, 3):
+            write_swap_run(out, cell, seed, loss + (0.01 * seed if cell.startswith("diloco-R64") else 0.0))
+    held = {32: (1.0, 0.6), 64: (1.0, 0.6)}
+    assert settle.swap_change(out / "swap", held) == pytest.approx({1: 0.04, 2: 0.03, 3: 0.02})
+    settle.write_swap(out)
+    table = (out / "swap" / "swap.md").read_text()
+    assert "| lr 1.0 at both R | 3 (+0.0400, +0.0300, +0.0200) | +0.0300 | [+0.0052, +0.0548] | 0.0351 | called |" in table
+    assert "| lr 0.7 at both R | 3 (-0.0400, -0.0500, -0.0600) | -0.0500 |" in table
+    # the grid's pairing: (4.60 - 4.95 - 0.01s) - (4.50 - 4.80) = -0.05 - 0.01s
+    assert "| the grid's: lr 1.0 at R = 32, 0.7 at R = 64 | 3 (-0.0600, -0.0700, -0.0800) | -0.0700 |" in table
+    assert "the step switch is not its cause" in table
+
+
+@pytest.mark.parametrize("called, reading", [
+    ({"lr 1.0": True, "lr 0.7": True}, "the step switch is not its cause"),
+    ({"lr 1.0": False, "lr 0.7": False}, "not shown apart from the step switch"),
+    ({"lr 1.0": False, "lr 0.7": True}, "called only with DiLoCo's step held at lr 0.7"),
+])
+def test_the_swap_reading_is_the_preregistered_one(settle, called, reading):
+    assert reading in settle.swap_reading(called)
+
+
+def test_a_swap_seed_still_running_leaves_the_reading_to_come(settle, tmp_path):
+    out = tmp_path / "out"
+    for cell in SWAP_LOSSES:
+        for seed in (1, 2) if cell == "isoloco-R64-mu0.6-lr1.5" else (1, 2, 3):
+            write_swap_run(out, cell, seed, 4.5 + 0.01 * seed * (cell == "diloco-R64-mu0.6-lr0.7"))
+    settle.write_swap(out)
+    table = (out / "swap" / "swap.md").read_text()
+    assert "| to come |" in table and "Reading: to come" in table and "called |" not in table
+
+
+def test_a_swap_change_within_its_seeds_noise_is_not_called(settle, tmp_path):
+    """As above, but DiLoCo at R = 64 with lr 0.7 off by +0.09, -0.05, +0.02 on seeds 1-3: held at
+    lr 0.7 the change is -0.03 minus those, -0.12, +0.02, -0.05 (mean -0.05, sd 0.07, t = -1.237,
+    p 0.342): not called, so the change is called with the step held at lr 1.0 only."""
+    out = tmp_path / "out"
+    offsets = {"diloco-R64-mu0.6-lr1.0": {1: 0.01, 2: 0.02, 3: 0.03}, "diloco-R64-mu0.6-lr0.7": {1: 0.09, 2: -0.05, 3: 0.02}}
+    for cell, loss in SWAP_LOSSES.items():
+        for seed in (1, 2, 3):
+            write_swap_run(out, cell, seed, loss + offsets.get(cell, {}).get(seed, 0.0))
+    settle.write_swap(out)
+    table = (out / "swap" / "swap.md").read_text()
+    assert "| lr 0.7 at both R | 3 (-0.1200, +0.0200, -0.0500) | -0.0500 |" in table
+    assert "| 0.342 | not called |" in table and "| 0.0351 | called |" in table
+    assert "called only with DiLoCo's step held at lr 1.0" in table
