@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from torchft_groups import config, record_synchronisations
+from torchft_groups import HEARTBEAT_MS, config, record_synchronisations
 
 WAIT_S = 300  # a cap on waiting for the other group; a test fails long before
 
@@ -45,7 +45,7 @@ def main(settings_path: str, replica: int) -> None:
         bind = settings["lighthouse"].removeprefix("http://")
         # min_replicas=1: a quorum of the survivor alone forms once the cut group has missed its
         # heartbeats for a second.
-        server, _ = start_lighthouse(min_replicas=1, heartbeat_timeout_ms=1000, bind=bind)
+        server, _ = start_lighthouse(min_replicas=1, heartbeat_timeout_ms=HEARTBEAT_MS, bind=bind)
         (out / "lighthouse-up").touch()
     else:
         _await(out / "lighthouse-up")

@@ -408,7 +408,7 @@ def test_the_split_divides_each_processs_cross_island_bytes_by_g(monkeypatch):
 
 # -- a lost process stops the run ---------------------------------------------------------------
 
-TIMEOUT_S = 10
+TIMEOUT_S = 5
 CLI_RUN = [*SMALL_ARGS, "steps=30", "inner_steps=5", "workers=2", "eval_every=20", "checkpoint_every=10",
            "method=isoloco", f"dist.peer_silence_s={TIMEOUT_S}"]
 ENV = ONE_THREAD_ENV

@@ -25,7 +25,7 @@ from isoloco.torchft import QuorumCommunicator, merge_in_quorum
 from isoloco.trainer import Trainer
 
 import helpers
-from torchft_groups import JOIN_S, SPAWN, TINY, config, join_groups
+from torchft_groups import HEARTBEAT_MS, JOIN_S, SPAWN, TINY, config, join_groups
 
 pytest.importorskip("torchft", reason="the torchft extra is not installed: pip install -e '.[torchft]'")
 
@@ -88,7 +88,7 @@ def torchft_runs(request, tmp_path_factory) -> dict[str, list[GroupRun]]:
     configs = {name: config(**overrides) for index, (name, overrides) in enumerate(EQUIVALENT.items())
                if index == 0 or name in chosen}
     load_token_data(next(iter(configs.values())).data)  # prepare the corpus before the groups read it
-    server, address = start_lighthouse(min_replicas=2)
+    server, address = start_lighthouse(min_replicas=2, heartbeat_timeout_ms=HEARTBEAT_MS)
     groups = [SPAWN.Process(target=_group, args=(configs, r, address, out)) for r in range(2)]
     try:
         for group in groups:
@@ -275,27 +275,6 @@ def test_two_groups_that_are_one_worker_are_refused_in_one_line():
                                 "replica number")
 
 
-#: The example on each rule merged in the quorum: `make test` runs Iso-CTS, the one with the most
-#: stages there; the others are nightly (every rule's numbers under torchft, through the same
-#: `run_replica_group`, are the simulator's, above).
-EXAMPLE_METHODS = ["isocts", *(pytest.param(method, marks=pytest.mark.nightly) for method in ("dare", "ties", "tsv"))]
-
-
-@pytest.mark.parametrize("method", EXAMPLE_METHODS)
-def test_the_example_trains_every_rule(method):
-    import subprocess
-    import sys
-
-    result = subprocess.run([sys.executable, str(EXAMPLE), f"method={method}", *helpers.SMALL_ARGS, "steps=6",
-                             "inner_steps=2"], env={**helpers.ONE_THREAD_ENV, "RUST_LOG": "error"},
-                            capture_output=True, text=True, timeout=JOIN_S)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert lines[0].startswith(f"{method}: 2 replica groups")
-    assert any(line.startswith("outer steps committed: [3, 3]") for line in lines), result.stdout
-    assert "largest difference between the groups' final parameters: 0" in lines
-
-
 def test_two_machines_on_distinct_loopback_addresses_train_as_one_job():
     """docs/torchft.md's two-machine recipe, each "machine" an address of its own (127.0.0.2 runs the
     lighthouse and group 0, 127.0.0.3 group 1): both commit every outer step and end equal."""
@@ -343,7 +322,7 @@ def test_an_all_reduce_overlapping_an_inner_step_keeps_the_groups_in_step(tmp_pa
     (its pseudo-gradient was taken a step earlier)."""
     cfg = config(**DELAYED, method=method)
     load_token_data(cfg.data)
-    server, address = start_lighthouse(min_replicas=2)
+    server, address = start_lighthouse(min_replicas=2, heartbeat_timeout_ms=HEARTBEAT_MS)
     try:
         for delay in (0, 1):
             groups = [SPAWN.Process(target=_delayed_group, args=(cfg, r, address, tmp_path, delay)) for r in range(2)]

@@ -1,6 +1,7 @@
 """examples/torchft_isoloco.py as a user runs it: what it cannot carry through torchft and a bad
 --fragments are refused in one line before any work; torchft's own log lines only on request;
-the validation loss it prints is isoloco's evaluation of what the groups trained."""
+each rule merged in the quorum leaves both groups equal; the validation loss it prints is
+isoloco's evaluation of what the groups trained."""
 
 from __future__ import annotations
 
@@ -90,10 +91,21 @@ def test_the_example_is_quiet_and_scores_the_groups_as_isoloco_train_does(tmp_pa
     assert len(printed) == 2 and all(abs(loss - reference) <= 2e-4 for loss in printed), (printed, reference)
 
 
+#: The example on each rule merged in the quorum: `make test` runs Iso-CTS, the one with the most
+#: stages there; the others are nightly (every rule's numbers under torchft, through the same
+#: `run_replica_group`, are the simulator's: tests/test_torchft.py).
+EXAMPLE_METHODS = ["isocts", *(pytest.param(method, marks=pytest.mark.nightly) for method in ("dare", "ties", "tsv"))]
+
+
 @pytest.mark.torchft
 @pytest.mark.multiprocess
-def test_torchft_logs_shows_torchfts_own_lines():
-    result = subprocess.run([sys.executable, str(EXAMPLE), *helpers.SMALL_ARGS, "steps=2", "inner_steps=2",
-                             "--torchft-logs"], env=example_env(), capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("method", EXAMPLE_METHODS)
+def test_the_example_trains_every_rule_and_shows_torchfts_lines_on_request(method):
+    result = subprocess.run([sys.executable, str(EXAMPLE), f"method={method}", *TINY, "--torchft-logs"],
+                            env=example_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"{method}: 2 replica groups")
+    assert any(line.startswith("outer steps committed: [3, 3]") for line in lines), result.stdout
+    assert "largest difference between the groups' final parameters: 0" in lines
     assert "[INFO] [torchft::lighthouse]" in result.stderr and "[INFO] [torchft::manager]" in result.stderr

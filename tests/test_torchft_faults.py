@@ -29,7 +29,7 @@ from isoloco.outer import OuterStep
 pytest.importorskip("torchft", reason="the torchft extra is not installed: pip install -e '.[torchft]'")
 
 from isoloco.torchft.replica import GroupRun, model_fragments, run_replica_group, start_lighthouse  # noqa: E402
-from torchft_groups import JOIN_S, SPAWN, config, join_groups, record_synchronisations  # noqa: E402
+from torchft_groups import HEARTBEAT_MS, JOIN_S, SPAWN, config, join_groups, record_synchronisations  # noqa: E402
 
 pytestmark = [pytest.mark.torchft, pytest.mark.multiprocess]
 
@@ -139,7 +139,7 @@ def killed_group(request, tmp_path_factory) -> tuple[TrainConfig, Path]:
     load_token_data(cfg.data)
     # min_replicas=1: the survivor's round 1 forms a quorum of one once the killed group has
     # missed its heartbeats for 1 s.
-    server, address = start_lighthouse(min_replicas=1, heartbeat_timeout_ms=1000)
+    server, address = start_lighthouse(min_replicas=1, heartbeat_timeout_ms=HEARTBEAT_MS)
 
     def start(replica: int, on_step, name: str):
         process = SPAWN.Process(target=_fault_group, args=(cfg, replica, address, out, on_step, name))

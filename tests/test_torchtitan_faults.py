@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import torchtitan_cpu
-from torchft_groups import JOIN_S
+from torchft_groups import HEARTBEAT_MS, JOIN_S
 
 pytestmark = [pytest.mark.torchtitan, pytest.mark.multiprocess, pytest.mark.slow,
               pytest.mark.skipif(torchtitan_cpu.MISSING, reason=torchtitan_cpu.SKIP_REASON)]
@@ -33,7 +33,7 @@ def test_a_killed_group_heals_from_the_survivor_and_both_end_identical(tmp_path)
     torchtitan_cpu.prepare_assets(assets)
     # min_replicas=1: the survivor's round 1 forms a quorum of one once the killed group has
     # missed its heartbeats for 1 s. The meetings (files) order who joins which quorum.
-    server, address = start_lighthouse(min_replicas=1, heartbeat_timeout_ms=1000)
+    server, address = start_lighthouse(min_replicas=1, heartbeat_timeout_ms=HEARTBEAT_MS)
 
     def start(replica: int, life: str, hooks: dict[str, str]):
         hooks = {**hooks, "ISOLOCO_TT_OUT": str(tmp_path / life), "ISOLOCO_TT_RECORD": str(tmp_path / life)}

@@ -24,6 +24,10 @@ TINY = {**helpers.SMALL, "steps": 6, "inner_steps": 2, "workers": 2, "eval_every
 
 SPAWN = multiprocessing.get_context("spawn")
 JOIN_S = 300  # every process here finishes in well under a minute; this only bounds a hang
+#: The lighthouse's heartbeat timeout here. A group whose run ended still counts as heartbeating
+#: until it passes, and a quorum waits for half of those: with torchft's 5 s, each run that
+#: follows another on one lighthouse would wait 5 s first.
+HEARTBEAT_MS = 1000
 
 
 def config(**overrides) -> TrainConfig:
