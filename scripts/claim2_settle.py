@@ -23,7 +23,7 @@ Layout under DIR: `select/<search>-<lr>/` (seed 0), `swap/<method>-R<R>-<step>/`
 `long/<method>-R<R>/` (seeds 1-5), `selection.md`, `swap/swap.md`: the R = 32 -> 64 change with
 DiLoCo's step held at each value and its pre-registered reading, and `long/contrast.md`: the
 pre-registered contrast at every evaluation of the seeds whose four runs have reached it, and its
-outcome. Finished runs are skipped, so rerunning continues; the file `DIR/lanes`, if present, holds
+outcome, drawn against step in `long/contrast.png`. Finished runs are skipped, so rerunning continues; the file `DIR/lanes`, if present, holds
 how many runs go at once.
 """
 
@@ -34,6 +34,7 @@ import math
 import sys
 from pathlib import Path
 
+from isoloco.report.plots import save_png
 from isoloco.report.stats import mean_ci, paired_p
 from isoloco.sweep import run_name
 from isoloco.tuned import Search, Task, extend, grid_main, selection_rows, step_name, step_overrides
@@ -236,9 +237,44 @@ def outcome(values: list[float]) -> str:
     return "level" if inside else "not shown"
 
 
+def draw_contrast(path: Path, by_step: dict[int, dict[int, float]]) -> bool:
+    """The contrast against step, with its 95% and 90% t-bands and the margin, at the evaluations
+    two seeds or more have reached, as a PNG at `path`; False (nothing drawn) where none has."""
+    import matplotlib.style
+    from matplotlib.figure import Figure
+
+    steps = [step for step in sorted(by_step) if len(by_step[step]) > 1]
+    if not steps:
+        return False
+    values = [list(by_step[step].values()) for step in steps]
+    means = [mean_ci(v)[0] for v in values]
+    with matplotlib.style.context("default"):
+        fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+        ax = fig.add_subplot()
+        for confidence, alpha in ((95, 0.15), (90, 0.3)):
+            halves = [mean_ci(v, confidence)[1] for v in values]
+            ax.fill_between(steps, [m - h for m, h in zip(means, halves)], [m + h for m, h in zip(means, halves)],
+                            color="C0", alpha=alpha, linewidth=0, label=f"{confidence}% interval")
+        ax.plot(steps, means, color="C0", marker="o", label="C, the mean over seeds")
+        for step, mean, seeds in zip(steps, means, values):
+            ax.annotate(f"n={len(seeds)}", (step, mean), textcoords="offset points", xytext=(0, 6), ha="center",
+                        fontsize=7)
+        ax.axhline(0.0, color="black", linewidth=1)
+        for sign in (-1, 1):
+            ax.axhline(sign * MARGIN, color="gray", linestyle=":", label=f"margin ±{MARGIN}" if sign > 0 else None)
+        ax.set_title("IsoLoCo − DiLoCo at R = 128 minus the same at R = 16")
+        ax.set_xlabel("step")
+        ax.set_ylabel("C, validation loss (negative: the lead grows)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        save_png(fig, path)
+    return True
+
+
 def write_contrast(out: Path) -> None:
     """long/contrast.md: the contrast at every evaluation reached, with its 95% and 90% t-intervals
-    over the seeds, and the outcome at the last step once every seed has finished."""
+    over the seeds, and the outcome at the last step once every seed has finished; beside it
+    long/contrast.png, the same against step."""
     long = out / "long"
     by_step = contrast_by_step(long)
     if not by_step:
@@ -259,6 +295,8 @@ def write_contrast(out: Path) -> None:
              "(IsoLoCo − DiLoCo at R = 16) in validation loss at each evaluation its four runs have reached; C is "
              "the mean over those seeds, with its t-intervals. Negative: IsoLoCo's lead is larger at R = 128.", "",
              "| step | seeds | C | 95% interval | 90% interval |", "|---|---|---|---|---|", *rows, "", verdict]
+    if draw_contrast(long / "contrast.png", by_step):
+        lines += ["", "![The contrast C against step, with its 95% and 90% intervals and the margin](contrast.png)"]
     (long / "contrast.md").write_text("\n".join(lines) + "\n")
 
 

@@ -98,6 +98,20 @@ def test_the_contrast_is_drawn_at_every_evaluation_its_seeds_reached(settle, tmp
     assert "| 60 | 2 | -0.1100 | [-0.2371, +0.0171] |" in table
     assert "| 120 | 1 | -0.1000 | — | — |" in table
     assert "to come (0 of 5 seeds there)" in table
+    # Drawn at step 60, the one evaluation two seeds reached; the same runs draw the same bytes.
+    png = (out / "long" / "contrast.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and "](contrast.png)" in table
+    settle.write_contrast(out)
+    assert (out / "long" / "contrast.png").read_bytes() == png
+
+
+def test_no_contrast_is_drawn_before_two_seeds_reach_an_evaluation(settle, tmp_path):
+    out = tmp_path / "out"
+    for method, workers in (("isoloco", 128), ("diloco", 128), ("isoloco", 16), ("diloco", 16)):
+        write_long_run(settle, out, method, workers, 1, {60: 4.5})
+    settle.write_contrast(out)
+    assert "| 60 | 1 | +0.0000 | — | — |" in (out / "long" / "contrast.md").read_text()
+    assert not (out / "long" / "contrast.png").exists()
 
 
 @pytest.mark.parametrize("values, expected", [

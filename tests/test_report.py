@@ -636,7 +636,7 @@ def test_plots_name_series_by_what_differs_and_keep_coinciding_points_apart(tmp_
     every R, and no layout warning; without dp, no gap chart."""
     import warnings
 
-    from isoloco.report.plots import _against, _save
+    from isoloco.report.plots import _against, save_png
 
     settings = [{"merge.quantize": q, "merge.error_feedback": ef, "outer.overlap_steps": ov}
                 for q, ef, ov in (("none", False, 0), ("int8", False, 0), ("int8", True, 0), ("int4", False, 0),
@@ -657,7 +657,7 @@ def test_plots_name_series_by_what_differs_and_keep_coinciding_points_apart(tmp_
     assert len(set(at_r2)) == 6 and all(1.8 < x < 2.2 for x in at_r2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # matplotlib's "constrained_layout not applied" would raise here
-        _save(fig, tmp_path / "check.png")
+        save_png(fig, tmp_path / "check.png")
     write_report(tmp_path)
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {"val_loss_vs_R.png", "val_curves.png"}
     assert "gap_vs_R" not in (tmp_path / "results.md").read_text()
@@ -693,8 +693,8 @@ def test_a_report_of_many_settings_keeps_its_plots_readable(tmp_path, monkeypatc
     from isoloco.report import plots
 
     figures = {}
-    save = plots._save
-    monkeypatch.setattr(plots, "_save", lambda fig, path: (figures.__setitem__(path.name, fig), save(fig, path)))
+    save = plots.save_png
+    monkeypatch.setattr(plots, "save_png", lambda fig, path: (figures.__setitem__(path.name, fig), save(fig, path)))
     _seven_settings(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # matplotlib's "constrained_layout not applied" would raise here
@@ -770,7 +770,7 @@ def test_the_curves_mark_what_their_cut_hides_and_name_dps_budget(tmp_path, monk
     from isoloco.report import plots
 
     figures = {}
-    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.__setitem__(path.name, fig))
+    monkeypatch.setattr(plots, "save_png", lambda fig, path: figures.__setitem__(path.name, fig))
     for name, method, workers, loss in (("dp-s0", "dp", 1, 4.0), ("isoloco-R2-H3-s0", "isoloco", 2, 4.5)):
         _fake_run(tmp_path, name, loss, method=method, workers=workers, inner_steps=3)
         (tmp_path / name / "metrics.jsonl").write_text("".join(
@@ -827,7 +827,7 @@ def _captured_figures(monkeypatch) -> dict[str, object]:
     from isoloco.report import plots
 
     figures = {}
-    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.__setitem__(path.name, fig))
+    monkeypatch.setattr(plots, "save_png", lambda fig, path: figures.__setitem__(path.name, fig))
     return figures
 
 

@@ -27,7 +27,8 @@ X_AXES = {"workers": ("R", "workers R"), "inner_steps": ("H", "inner steps H")}
 Published = tuple[str, dict[int, float]]
 
 
-def _save(fig: Any, path: Path) -> None:
+def save_png(fig: Any, path: Path) -> None:
+    """Save `fig` as a PNG whose bytes depend on the figure alone (no Software metadata)."""
     fig.savefig(path, dpi=110, metadata={"Software": None})
 
 
@@ -494,21 +495,21 @@ def write_plots(runs: list[RunResult], folder: Path, published: Sequence[Publish
                     if gap and all(r.gap_pct is None for r in trained):
                         continue  # no dp run to measure a gap to: an empty chart says nothing
                     file = f"{stem}_vs_{short}.png"
-                    _save(_against(runs, axis, gap, published if gap and axis == "workers" else ()), folder / file)
+                    save_png(_against(runs, axis, gap, published if gap and axis == "workers" else ()), folder / file)
                     written.append((file, f"{caption} vs {short}"))
         knobs = _knobs(runs)
         for key in sorted(knobs):
             file = f"val_loss_vs_{key}.png"
-            _save(_against_knob(runs, key, knobs), folder / file)
+            save_png(_against_knob(runs, key, knobs), folder / file)
             written.append((file, f"Final validation loss vs {key}"))
         if any(r.curve for r in runs):
-            _save(_curves(runs), folder / "val_curves.png")
+            save_png(_curves(runs), folder / "val_curves.png")
             written.append(("val_curves.png", "Validation loss curves"))
         if len({r.slow_link_bytes for r in trained if r.slow_link_bytes}) > 1:
-            _save(_against_bytes(runs), folder / "val_loss_vs_bytes.png")
+            save_png(_against_bytes(runs), folder / "val_loss_vs_bytes.png")
             written.append(("val_loss_vs_bytes.png", "Final validation loss vs slow-link bytes per round"))
         if any(_partial(r) for r in runs if not r.is_dp):
-            _save(_participation([r for r in runs if not r.is_dp]), folder / "participation.png")
+            save_png(_participation([r for r in runs if not r.is_dp]), folder / "participation.png")
             written.append(("participation.png", "Workers merged per round"))
     return written
 
