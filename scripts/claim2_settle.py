@@ -13,7 +13,7 @@ On the repro-cpu-r128 preset, in the order they start:
    (mu 0.6, lr 1.0), seeds 1-3, 480 steps, so the grid's R = 32 -> 64 change is also seen with
    DiLoCo's step held fixed.
 3. Twice the rounds: DiLoCo and IsoLoCo at R = 16 and R = 128 at their searched outer steps,
-   steps=960 (32 synchronisations at H = 30, the schedule over 960), seeds 1-5.
+   steps=960 (32 synchronisations at H = 30, the schedule over 960), seeds 1-5, seed by seed.
 Items 2 and 3 run at each method's inner lr chosen in item 1 (`needs`). Where a method chooses an
 inner lr other than the grid's 0.016, the pre-registration runs its grid cells at R = 32 and 64
 (the grid's own outer steps there) at that inner lr too, seeds 1-3, so that each R = 32 -> 64
@@ -115,11 +115,15 @@ def plan(out: Path) -> tuple[list[Task], list[Search]]:
                 step = grid_step(method, workers)
                 tasks.append(Task(out / "swap" / f"{method}-R{workers}-{step_name(*step)}", method, workers,
                                   SWAP_SEEDS, step_overrides(*step), PRESET, needs=(search,)))
-    for workers in (16, 128):
-        for method in ("diloco", "isoloco"):
-            tasks.append(Task(out / "long" / f"{method}-R{workers}", method, workers, LONG_SEEDS,
-                              f"{step_overrides(*SEARCHED_STEP[method, workers])} steps={LONG_STEPS}", PRESET,
-                              needs=(inner[method],)))
+    # Seed by seed: each seed's four runs, which its contrast needs, finish before the next seed's
+    # start, so the contrast at every evaluation grows one seed at a time. A folder's seeds never
+    # train at once (the driver runs one task per folder).
+    for seed in LONG_SEEDS.split(","):
+        for workers in (16, 128):
+            for method in ("diloco", "isoloco"):
+                tasks.append(Task(out / "long" / f"{method}-R{workers}", method, workers, seed,
+                                  f"{step_overrides(*SEARCHED_STEP[method, workers])} steps={LONG_STEPS}", PRESET,
+                                  needs=(inner[method],)))
     return tasks, [*inner.values(), dp]
 
 

@@ -193,3 +193,15 @@ def test_a_swap_change_within_its_seeds_noise_is_not_called(settle, tmp_path):
     assert "| lr 0.7 at both R | 3 (-0.1200, +0.0200, -0.0500) | -0.0500 |" in table
     assert "| 0.342 | not called |" in table and "| 0.0351 | called |" in table
     assert "called only with DiLoCo's step held at lr 1.0" in table
+
+
+def test_the_long_runs_go_seed_by_seed_each_seeds_four_cells_first(settle, tmp_path):
+    out = tmp_path / "out"
+    finish_search(settle, out, "diloco", 0.004)
+    finish_search(settle, out, "isoloco", 0.004)
+    tasks, _ = settle.plan(out)
+    long = [(task.out.name, task.seeds) for task in tasks if task.out.parent.name == "long"]
+    cells = ["diloco-R16", "isoloco-R16", "diloco-R128", "isoloco-R128"]
+    assert long == [(cell, str(seed)) for seed in range(1, 6) for cell in cells]
+    assert all(task.ready() and "inner.lr=0.004" in " ".join(task.command(["isoloco"])) and "steps=960" in task.overrides
+               for task in tasks if task.out.parent.name == "long")

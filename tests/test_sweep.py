@@ -12,7 +12,7 @@ import yaml
 
 from isoloco.cli import main
 from isoloco.config import parse_overrides, resolve
-from isoloco.sweep import build_grid, job_environments, plan_runs
+from isoloco.sweep import Grid, build_grid, job_environments, plan_runs, sweep_manifest
 
 TINY = ["model=tiny", "seq_len=32", "global_batch=8", "steps=6", "data.vocab_size=512", "data.val_tokens=1024",
         "eval_every=3", "checkpoint_every=3"]
@@ -141,3 +141,18 @@ def test_killed_sweep_finishes_on_rerun_without_redoing_finished_runs(tmp_path, 
     assert (out / "diloco-R2-H3-s0" / "summary.json").exists()
     assert _mtimes(out)["dp-s0"] == before["dp-s0"]
     assert len((out / "diloco-R2-H3-s0" / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+def test_the_manifest_keeps_the_seeds_of_earlier_sweeps_of_the_same_grid(tmp_path):
+    """Seeds swept a few at a time into one directory all stay listed; another grid replaces the record."""
+    path = tmp_path / "sweep.yaml"
+    grid = lambda seeds: Grid(methods=["diloco"], workers=[16], inner_steps=[30], seeds=seeds)
+    first = sweep_manifest(path, "repro-cpu-r128", ["steps=960"], grid([1]))
+    assert first == {"preset": "repro-cpu-r128", "overrides": ["steps=960"], "methods": ["diloco"], "workers": [16],
+                     "inner_steps": [30], "seeds": [1]}
+    path.write_text(yaml.safe_dump(first, sort_keys=False))
+    assert sweep_manifest(path, "repro-cpu-r128", ["steps=960"], grid([3, 1, 2]))["seeds"] == [1, 3, 2]
+    for other in (sweep_manifest(path, "repro-cpu-r128", ["steps=480"], grid([2])),
+                  sweep_manifest(path, "repro-cpu-r128", ["steps=960"],
+                                 Grid(methods=["isoloco"], workers=[16], inner_steps=[30], seeds=[2]))):
+        assert other["seeds"] == [2]

@@ -386,6 +386,19 @@ def execute(runs: list[Run], out: Path, envs: list[dict[str, str]]) -> list[str]
 # The command
 
 
+def sweep_manifest(path: Path, preset: str, raw_overrides: list[str], grid: Grid) -> dict[str, Any]:
+    """What `sweep.yaml` at `path` records: the sweep's preset, overrides and axes. Where an earlier
+    sweep of the same grid but other seeds wrote it (seeds run a few at a time into one directory),
+    its seeds stay listed, this sweep's added after them: the directory holds the runs of both."""
+    manifest = {"preset": preset, "overrides": raw_overrides, **asdict(grid)}
+    earlier = yaml.safe_load(path.read_text()) if path.is_file() else None
+    same_grid = lambda record: {key: value for key, value in record.items() if key != "seeds"}
+    if isinstance(earlier, dict) and same_grid(earlier) == same_grid(manifest):
+        seeds = list(earlier.get("seeds") or [])
+        manifest["seeds"] = [*seeds, *(seed for seed in grid.seeds if seed not in seeds)]
+    return manifest
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     args = parse_late(args, _add_options, prog="isoloco sweep", usage=SWEEP_USAGE, description=SWEEP_DESCRIPTION)
     named, raw_overrides = split_items(args.items)
@@ -416,7 +429,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     logger.info("sweep: %d runs in %s (%d finished), %d at a time on %s", len(runs), out, done, jobs,
                 "GPUs " + ",".join(gpus) if gpus else f"{available_cores()} CPU cores")
     out.mkdir(parents=True, exist_ok=True)
-    manifest = {"preset": preset, "overrides": raw_overrides, **asdict(grid)}
+    manifest = sweep_manifest(out / SWEEP_MANIFEST, preset, raw_overrides, grid)
     (out / SWEEP_MANIFEST).write_text(yaml.safe_dump(manifest, sort_keys=False))
     failed = execute(runs, out, job_environments(jobs, gpus, available_cores(), dict(os.environ)))
     if not args.no_report:

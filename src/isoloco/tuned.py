@@ -199,7 +199,7 @@ def dry_run(out: Path, tasks: list[Task]) -> None:
         state = "done" if t.done() else "ready" if t.ready() else "waits for its search"
         # a task may read runs another grid trained (a search's shared point): name those in full
         where = t.out.relative_to(out) if t.out.is_relative_to(out) else t.out
-        print(f"{state:21} {where}  {t.overrides}")
+        print(f"{state:21} {where}  seeds {t.seeds}  {t.overrides}")
 
 
 def drive(out: Path, tasks: list[Task], searches: list[Search], default_lanes: int,
