@@ -203,6 +203,7 @@ def write_swap(out: Path) -> None:
              "method's search chose at R = 128, IsoLoCo at μ 0.6 lr 1.5. Positive: IsoLoCo's lead is smaller at "
              f"R = 64. Paired t-test over the seeds, two-sided, called at p < {SWAP_ALPHA}; the grid's pairing "
              "is shown beside the two held steps and is not one of the pre-registered tests.", "",
+             "## The change from R = 32 to 64", "",
              "| DiLoCo's step | seeds (per seed) | change | 95% interval | p | verdict |", "|---|---|---|---|---|---|",
              *rows, "", reading]
     (swap / "swap.md").write_text("\n".join(lines) + "\n")
@@ -298,6 +299,7 @@ def write_contrast(out: Path) -> None:
              "`python scripts/claim2_settle.py` writes this file. Per seed, d = (IsoLoCo − DiLoCo at R = 128) − "
              "(IsoLoCo − DiLoCo at R = 16) in validation loss at each evaluation its four runs have reached; C is "
              "the mean over those seeds, with its t-intervals. Negative: IsoLoCo's lead is larger at R = 128.", "",
+             "## The contrast at every evaluation", "",
              "| step | seeds | C | 95% interval | 90% interval |", "|---|---|---|---|---|", *rows, "", verdict]
     if draw_contrast(long / "contrast.png", by_step):
         lines += ["", "![The contrast C against step, with its 95% and 90% intervals and the margin](contrast.png)"]
