@@ -119,3 +119,31 @@ def test_the_driver_lays_the_tasks_out_afresh_so_a_task_a_finished_run_calls_for
     tasks, searches = layout()
     assert tuned.drive(tmp_path, tasks, searches, 1, lambda: None) == 0
     assert started == ["first"] and not follow.done()
+
+
+def test_the_driver_writes_its_selection_once_per_finished_run_not_every_poll(tmp_path, monkeypatch):
+    """A sweep of two seeds polled many times while it trains: the selection is written at the
+    start, after each of its runs finishes, and not in between."""
+    task = tuned.Task(tmp_path / "cell", "isoloco", 8, "1,2", "", "repro-cpu")
+    polls = []
+
+    class TwoRuns:
+        """A stand-in for the sweep: seed 1 finishes at its 3rd poll, seed 2 (and the sweep) at its 6th."""
+
+        def __init__(self, command, **_):
+            self.returncode = None
+
+        def poll(self):
+            polls.append(1)
+            for run, at in zip(task.runs(), (3, 6)):
+                if len(polls) == at:
+                    run.mkdir(parents=True)
+                    (run / "summary.json").write_text(json.dumps({"final_val_loss": 5.0}))
+            self.returncode = 0 if len(polls) >= 6 else None
+            return self.returncode
+
+    monkeypatch.setattr(tuned.subprocess, "Popen", TwoRuns)
+    monkeypatch.setattr(tuned.time, "sleep", lambda _: None)
+    writes = []
+    assert tuned.drive(tmp_path, [task], [], 1, lambda: writes.append(len(polls))) == 0
+    assert len(polls) == 6 and writes == [0, 3, 6]

@@ -213,6 +213,7 @@ def drive(out: Path, tasks: list[Task], searches: list[Search], default_lanes: i
     out.mkdir(parents=True, exist_ok=True)
     running: dict[Path, subprocess.Popen] = {}
     failed: set[Path] = set()
+    written: set[Path] | None = None  # the finished runs write_selection last saw
     while True:
         for folder, proc in list(running.items()):
             if proc.poll() is not None:
@@ -224,7 +225,10 @@ def drive(out: Path, tasks: list[Task], searches: list[Search], default_lanes: i
             tasks[:], searches[:] = replan()  # in place: write_selection reads `searches`
         else:
             extend(tasks, searches)
-        write_selection()
+        finished = {run for task in tasks for run in task.runs() if (run / "summary.json").exists()}
+        if finished != written:  # after every finished run, not every poll: the writing draws plots
+            write_selection()
+            written = finished
         pending = [t for t in tasks if t.out not in running and t.out not in failed and not t.done()]
         elsewhere = [t for t in pending if t.elsewhere()]
         if not running and not elsewhere and not any(t.ready() for t in pending):
