@@ -22,9 +22,11 @@ contrast compares runs at one inner lr; they join the layout once the method's s
 Layout under DIR: `select/<search>-<lr>/` (seed 0), `swap/<method>-R<R>-<step>/` (seeds 1-3),
 `long/<method>-R<R>/` (seeds 1-5), `selection.md`, `swap/swap.md`: the R = 32 -> 64 change with
 DiLoCo's step held at each value and its pre-registered reading, and `long/contrast.md`: the
-pre-registered contrast at every evaluation of the seeds whose four runs have reached it, and its
-outcome, drawn against step in `long/contrast.png`. Finished runs are skipped, so rerunning continues; the file `DIR/lanes`, if present, holds
-how many runs go at once.
+pre-registered contrast at every evaluation of the seeds whose four runs have reached it, drawn
+against step in `long/contrast.png`, and once every seed has finished, its outcome and the test's
+row (with its p unrounded, which scripts/claim_reports.py --tests adjusts with the page's tests).
+Finished runs are skipped, so rerunning continues; the file `DIR/lanes`, if present, holds how
+many runs go at once.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import math
 import sys
 from pathlib import Path
 
+from isoloco.report.compare import format_p
 from isoloco.report.plots import save_png
 from isoloco.report.stats import mean_ci, paired_p
 from isoloco.sweep import run_name
@@ -242,6 +245,28 @@ def outcome(values: list[float]) -> str:
     return "level" if inside else "not shown"
 
 
+#: What the test's row calls each outcome: a call (`isoloco.report.is_call`) where the contrast
+#: differs from 0, so that the page-wide adjustment counts it like a compare table's.
+CALLS = {"grows": "IsoLoCo's lead grows as R grows", "shrinks": "IsoLoCo's lead shrinks as R grows",
+         "grows, by less than the margin": "IsoLoCo's lead grows, by less than the margin, as R grows",
+         "level": f"level (within ±{MARGIN})", "not shown": "not shown"}
+
+
+def test_table(values: list[float]) -> list[str]:
+    """The pre-registered test over the per-seed contrasts at the last step, as one row in a
+    compare table's shape, with its p unrounded beside the printed one: the page-wide adjustment
+    (scripts/claim_reports.py --tests) reads the row from the page's marker and starts from that p."""
+    mean, half95 = mean_ci(values, 95)
+    _, half90 = mean_ci(values, 90)
+    finite = all(map(math.isfinite, values))
+    p = paired_p(values) if finite else math.nan
+    return ["| A − B | R | H | seeds | C (final loss) | 90% interval | p | p (unrounded) | call |",
+            "|---|---|---|---|---|---|---|---|---|",
+            f"| (isoloco − diloco at R = 128) − (isoloco − diloco at R = 16) | 16, 128 | {Task.inner_steps} | "
+            f"{len(values)} | {mean:+.4f} ± {half95:.4f} | [{mean - half90:+.4f}, {mean + half90:+.4f}] | "
+            f"{format_p(p) if finite else '—'} | {p!r} | {CALLS[outcome(values)]} |"]
+
+
 def draw_contrast(path: Path, by_step: dict[int, dict[int, float]]) -> bool:
     """The contrast against step, with its 95% and 90% t-bands and the margin, at the evaluations
     two seeds or more have reached, as a PNG at `path`; False (nothing drawn) where none has."""
@@ -292,15 +317,17 @@ def write_contrast(out: Path) -> None:
         interval = lambda half: "—" if half is None else f"[{mean - half:+.4f}, {mean + half:+.4f}]"
         rows.append(f"| {step} | {len(values)} | {mean:+.4f} | {interval(half95)} | {interval(half90)} |")
     last = by_step.get(LONG_STEPS, {})
-    verdict = (f"**Outcome at step {LONG_STEPS}** (the pre-registered test, margin ±{MARGIN}): "
-               f"{outcome(list(last.values()))}." if len(last) == len(seeds)
-               else f"Outcome at step {LONG_STEPS}: to come ({len(last)} of {len(seeds)} seeds there).")
+    verdict = ([f"**Outcome at step {LONG_STEPS}** (the pre-registered test, margin ±{MARGIN}): "
+                f"{outcome(list(last.values()))}."] if len(last) == len(seeds)
+               else [f"Outcome at step {LONG_STEPS}: to come ({len(last)} of {len(seeds)} seeds there)."])
+    if len(last) == len(seeds):
+        verdict += ["", f"## The pre-registered test at step {LONG_STEPS}", "", *test_table(list(last.values()))]
     lines = ["# Claim 2 past R = 16: the contrast at every evaluation", "",
              "`python scripts/claim2_settle.py` writes this file. Per seed, d = (IsoLoCo − DiLoCo at R = 128) − "
              "(IsoLoCo − DiLoCo at R = 16) in validation loss at each evaluation its four runs have reached; C is "
              "the mean over those seeds, with its t-intervals. Negative: IsoLoCo's lead is larger at R = 128.", "",
              "## The contrast at every evaluation", "",
-             "| step | seeds | C | 95% interval | 90% interval |", "|---|---|---|---|---|", *rows, "", verdict]
+             "| step | seeds | C | 95% interval | 90% interval |", "|---|---|---|---|---|", *rows, "", *verdict]
     if draw_contrast(long / "contrast.png", by_step):
         lines += ["", "![The contrast C against step, with its 95% and 90% intervals and the margin](contrast.png)"]
     (long / "contrast.md").write_text("\n".join(lines) + "\n")

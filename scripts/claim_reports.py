@@ -528,17 +528,25 @@ def quoted_p(report: Path, key: RowKey) -> float:
     return p
 
 
+#: The column of a test table in a compare table's shape that no `isoloco report` writes (a
+#: script's pre-registered test): its p unrounded, which the page-wide adjustment reads as is.
+UNROUNDED_P = "p (unrounded)"
+
+
 def quoted_tests(doc: Path) -> list[dict[str, str | float]]:
-    """Every paired test in the compare tables `doc` quotes (the rows its markers keep), once: a row
-    two tables share (the same R, H, seeds, difference and interval) counts once. A row without a
-    p-value (one seed, an unstable run) is no test. "p" is the report's printed p, "exact" the
-    unrounded one (`unrounded_p`)."""
+    """Every paired test in the compare tables `doc` quotes (the rows its markers keep), and in the
+    tables with a column `UNROUNDED_P`, once: a row two tables share (the same R, H, seeds,
+    difference and interval) counts once. A row without a p-value (one seed, an unstable run) is no
+    test. "p" is the printed p, "exact" the unrounded one (`unrounded_p`, or the row's own)."""
     tests: dict[tuple, dict[str, str | float]] = {}
     for line in doc_lines(doc):
         marker = MARKER.match(line)
-        if not marker or not marker["file"].endswith("compare.md"):
+        if not marker:
             continue
-        for cells in table_rows(Path(marker["file"]), marker["section"], marker["rows"]):
+        rows = table_rows(Path(marker["file"]), marker["section"], marker["rows"])
+        if not marker["file"].endswith("compare.md") and not (rows and UNROUNDED_P in rows[0]):
+            continue
+        for cells in rows:
             # A point's p is "raw (adjusted within its report)"; a change with R's is raw alone.
             printed_p = cells.get("p (BH)", cells.get("p", "—"))
             if printed_p == "—":
@@ -551,25 +559,29 @@ def quoted_tests(doc: Path) -> list[dict[str, str | float]]:
             if key in tests:
                 continue
             pair = cells.get("A − B", marker["section"])
+            exact = (float(cells[UNROUNDED_P]) if UNROUNDED_P in cells
+                     else quoted_p(Path(marker["file"]), (pair, cells["R"], cells["H"], cells["seeds"], difference)))
             tests[key] = {"report": marker["file"], "pair": pair, "R": cells["R"], "H": cells["H"],
                           "seeds": cells["seeds"], "difference": difference, "p": printed_p.split()[0],
-                          "call": cells["call"],
-                          "exact": quoted_p(Path(marker["file"]), (pair, cells["R"], cells["H"], cells["seeds"],
-                                                                   difference))}
+                          "call": cells["call"], "exact": exact}
     return list(tests.values())
 
 
 def quoted_contrasts(doc: Path) -> list[dict[str, str | float]]:
-    """Every contrast (a difference of two paired differences) in the contrast tables `doc` quotes,
-    once, with its two-sided p: the paired t-test's of the contrasts against 0 over the seeds, which
-    contrast.md does not print, recomputed from the runs unrounded (`unrounded_p`). A row with an
-    unstable run or one seed is no test."""
+    """Every contrast (a difference of two paired differences) in the contrast tables of `isoloco
+    report` that `doc` quotes (their column "contrast (final loss)"), once, with its two-sided p: the
+    paired t-test's of the contrasts against 0 over the seeds, which contrast.md does not print,
+    recomputed from the runs unrounded (`unrounded_p`). A row with an unstable run or one seed is no
+    test."""
     tests: dict[tuple, dict[str, str | float]] = {}
     for line in doc_lines(doc):
         marker = MARKER.match(line)
         if not marker or not marker["file"].endswith("contrast.md"):
             continue
-        for cells in table_rows(Path(marker["file"]), marker["section"], marker["rows"]):
+        rows = table_rows(Path(marker["file"]), marker["section"], marker["rows"])
+        if rows and "contrast (final loss)" not in rows[0]:
+            continue  # a script's own table (scripts/claim2_settle.py's contrast at every evaluation)
+        for cells in rows:
             if " ± " not in cells["contrast (final loss)"] or cells["call"].startswith("unstable"):
                 continue
             key = (marker["file"], marker["section"], cells["R"], cells["H"])
@@ -600,11 +612,12 @@ def page_tests_markdown(doc: Path) -> str:
               "|---|---|---|---|---|---|---|---|---|"]
     return "\n".join([
         f"# The tests {doc} quotes", "",
-        f"{len(tests)} paired tests in the compare tables the page quotes (a row two tables share counted once), "
+        f"{len(tests)} paired tests in the compare tables the page quotes and its pre-registered tests (a row two "
+        "tables share counted once), "
         f"{len(called)} of them called. With the Benjamini–Hochberg adjustment over all {len(tests)} at a false "
         f"discovery rate of {FDR:g}, {len(called) - len(dropped)} stay called. p is printed as the reports print it "
         "(three decimals, two significant digits below 0.001); the adjustment starts from the unrounded p-values, "
-        "recomputed from each report's runs, and the adjusted ones are given to four decimals; "
+        "recomputed from each report's runs (a pre-registered test's as its script wrote it), and the adjusted ones are given to four decimals; "
         "`python scripts/claim_reports.py --tests "
         f"{doc}` writes this file.", "",
         "## Called, but not after the page-wide adjustment", "",

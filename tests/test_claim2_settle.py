@@ -205,3 +205,37 @@ def test_the_long_runs_go_seed_by_seed_each_seeds_four_cells_first(settle, tmp_p
     assert long == [(cell, str(seed)) for seed in range(1, 6) for cell in cells]
     assert all(task.ready() and "inner.lr=0.004" in " ".join(task.command(["isoloco"])) and "steps=960" in task.overrides
                for task in tasks if task.out.parent.name == "long")
+
+
+def test_the_preregistered_test_joins_the_page_wide_adjustment_with_its_unrounded_p(settle, tmp_path, monkeypatch):
+    """Five seeds at step 960 with d = -0.10, -0.12, -0.11, -0.09, -0.10 (IsoLoCo at R = 128 4.5 + d,
+    the other three runs 4.5): mean -0.104, sd 0.0114018, t = -20.396 over 4 degrees of freedom, whose
+    two-sided p is 1 - 1.5x + 0.5x^3 with x = |t| / sqrt(4 + t^2). The page quoting both of contrast.md's
+    tables gains one paired test (its p unrounded, as the script computed it) and no contrast."""
+    monkeypatch.chdir(tmp_path)
+    out = Path("out")
+    contrasts = (-0.10, -0.12, -0.11, -0.09, -0.10)
+    for seed, d in enumerate(contrasts, start=1):
+        for method, workers in (("isoloco", 128), ("diloco", 128), ("isoloco", 16), ("diloco", 16)):
+            write_long_run(settle, out, method, workers, seed,
+                           {960: 4.5 + (d if (method, workers) == ("isoloco", 128) else 0.0)})
+    settle.write_contrast(out)
+    table = (out / "long" / "contrast.md").read_text()
+    assert "**Outcome at step 960** (the pre-registered test, margin ±0.05): grows." in table
+    assert "| 16, 128 | 30 | 5 | -0.1040 ± 0.0142 | [-0.1149, -0.0931] |" in table  # t(0.95, 4) = 2.1318
+    spec = importlib.util.spec_from_file_location("claim_reports", SCRIPTS / "claim_reports.py")
+    reports = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reports)
+    doc = Path("page.md")
+    doc.write_text('<!-- table: out/long/contrast.md "The contrast at every evaluation" -->\n\n| x |\n\n'
+                   '<!-- table: out/long/contrast.md "The pre-registered test at step 960" -->\n\n| x |\n')
+    mean = sum(contrasts) / 5
+    t = mean / math.sqrt(sum((d - mean) ** 2 for d in contrasts) / 4 / 5)
+    x = abs(t) / math.sqrt(4 + t * t)
+    [test] = reports.quoted_tests(doc)
+    assert test["exact"] == pytest.approx(1 - 1.5 * x + 0.5 * x ** 3, rel=1e-9)
+    assert (test["R"], test["seeds"], test["call"]) == ("16, 128", "5", "IsoLoCo's lead grows as R grows")
+    assert reports.quoted_contrasts(doc) == []
+    assert "1 paired tests in the compare tables the page quotes and its pre-registered tests" in (
+        reports.page_tests_markdown(doc))
+    assert "1 of them called" in reports.page_tests_markdown(doc)

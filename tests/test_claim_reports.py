@@ -440,3 +440,17 @@ def test_the_readmes_plot_draws_the_gaps_it_quotes_every_point_over_the_same_see
     assert len(quoted) >= 2  # the opening paragraph and the table of verdicts
     assert set(quoted) == {(plotted["isoloco", "16"], plotted["diloco", "16"], paired["gap ratio"])}
     assert (paired["gap isoloco (%)"], paired["gap diloco (%)"]) == (plotted["isoloco", "16"], plotted["diloco", "16"])
+
+
+def test_the_index_quotes_the_page_wide_counts_page_tests_md_gives():
+    """docs/claims/README.md's summary of the page-wide adjustment (how many tests, how many called,
+    how many stay called) is the one results/claims/page-tests.md states, so that adding a test to the
+    page cannot leave the index quoting the old counts."""
+    root = Path(__file__).resolve().parents[1]
+    given = re.search(r"(\d+) paired tests .*?, (\d+) of them called\. With the Benjamini–Hochberg adjustment over all "
+                      r"\1 at a false discovery rate of 0\.05, (\d+) stay called",
+                      (root / "results" / "claims" / "page-tests.md").read_text())
+    index = " ".join((root / "docs" / "claims" / "README.md").read_text().split())
+    quoted = re.search(r"(\d+) paired tests, (\d+) of them called; with the Benjamini–Hochberg adjustment over all "
+                       r"\1 at a false discovery rate of 0\.05, (\d+) stay called", index)
+    assert given and quoted and quoted.groups() == given.groups()

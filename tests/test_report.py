@@ -519,9 +519,9 @@ def test_benjamini_hochberg_adjusts_by_rank():
     assert benjamini_hochberg([0.01, 0.04, 0.03, 0.20]) == pytest.approx([0.04, 0.16 / 3, 0.16 / 3, 0.20])
     assert benjamini_hochberg([0.5, 0.9]) == pytest.approx([0.9, 0.9]) and benjamini_hochberg([]) == []
     assert benjamini_hochberg([0.6, 0.7, 0.8]) == pytest.approx([0.8, 0.8, 0.8])  # never above 1, never below p
-    from isoloco.report.compare import _p
+    from isoloco.report.compare import format_p
 
-    assert [_p(0.0312), _p(3.14e-5), _p(0.0)] == ["0.031", "3.1e-05", "0"]
+    assert [format_p(0.0312), format_p(3.14e-5), format_p(0.0)] == ["0.031", "3.1e-05", "0"]
 
 
 @pytest.mark.parametrize("seed", range(5))

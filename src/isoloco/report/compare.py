@@ -86,11 +86,11 @@ def _after_bh(judged: Judged, adjusted: float | None) -> tuple[str, str]:
     """The p column (raw, and BH-adjusted in brackets) and the call that survives the adjustment."""
     if judged.p is None:
         return "—", judged.call
-    p = f"{_p(judged.p)} ({_p(adjusted)})"
+    p = f"{format_p(judged.p)} ({format_p(adjusted)})"
     return p, judged.fallback if judged.called and adjusted >= FDR else judged.call
 
 
-def _p(value: float) -> str:
+def format_p(value: float) -> str:
     """Three decimals, or two significant digits below 0.001 (an adjustment over several reports
     starts from the unrounded p of `compare_tests`, not from these)."""
     return f"{value:.3f}" if value >= 0.001 else f"{value:.1e}" if value else "0"
@@ -354,7 +354,7 @@ def compare_markdown(runs: list[RunResult], pairs: list[tuple[str, str]],
         if trend is not None:
             sections += ["", f"Change of the difference from R = {trend.low} to R = {trend.high} "
                              f"({len(trend.changes)} seeds): {trend.value} ({trend.call})."]
-            changes.append([f"{a} − {b}", *trend.cells, "—" if trend.p is None else _p(trend.p), trend.call])
+            changes.append([f"{a} − {b}", *trend.cells, "—" if trend.p is None else format_p(trend.p), trend.call])
     if negative_gap:
         parts += ["", "Gap ratio: A's mean gap to DP over B's, the share of B's gap A keeps. It is \"—\" where a "
                       "gap is negative (a method below dp): the ratio of a negative gap is no such share (its sign "
