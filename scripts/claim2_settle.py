@@ -301,6 +301,19 @@ def draw_contrast(path: Path, by_step: dict[int, dict[int, float]]) -> bool:
     return True
 
 
+def unigram_line(long: Path) -> str:
+    """Which finished runs of the contrast were above their unigram baseline at an evaluation, and
+    which of them after their first (a divergence, not the warm-up's): the verdict rests on them."""
+    from isoloco.report import load_runs
+
+    finished = [run for cell in sorted(long.iterdir()) if cell.is_dir() for run in load_runs(cell)
+                if run.final_val_loss is not None]
+    above = [run for run in finished if run.rose_above_unigram]
+    later = [run.name for run in above if run.above_after_first]
+    return (f"Of the {len(finished)} finished runs, {len(above)} were above their unigram baseline at an evaluation, "
+            f"{len(later)} of them after their first evaluation{': ' + ', '.join(later) if later else ''}.")
+
+
 def write_contrast(out: Path) -> None:
     """long/contrast.md: the contrast at every evaluation reached, with its 95% and 90% t-intervals
     over the seeds, and the outcome at the last step once every seed has finished; beside it
@@ -328,6 +341,7 @@ def write_contrast(out: Path) -> None:
              "the mean over those seeds, with its t-intervals. Negative: IsoLoCo's lead is larger at R = 128.", "",
              "## The contrast at every evaluation", "",
              "| step | seeds | C | 95% interval | 90% interval |", "|---|---|---|---|---|", *rows, "", *verdict]
+    lines += ["", unigram_line(long)]
     if draw_contrast(long / "contrast.png", by_step):
         lines += ["", "![The contrast C against step, with its 95% and 90% intervals and the margin](contrast.png)"]
     (long / "contrast.md").write_text("\n".join(lines) + "\n")

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from isoloco.config import resolve, to_dict
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -71,11 +74,22 @@ def test_isoloco_choosing_another_inner_lr_runs_its_own_cells_at_its_grid_step(s
     assert all("inner.lr=0.008" in command and "outer.lr=1.5" in command for command in cells.values())
 
 
+#: The unigram baseline of the made-up runs' corpus.
+UNIGRAM = 5.96
+
+
 def write_long_run(settle, out: Path, method: str, workers: int, seed: int, losses: dict[int, float]) -> None:
+    """A 960-step run as `isoloco train` leaves it, evaluated at the steps of `losses`; finished
+    (summary.json) once it has reached step 960."""
     run = out / "long" / f"{method}-R{workers}" / f"{method}-R{workers}-H30-s{seed}"
     run.mkdir(parents=True)
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "train_loss": 9.0, "val_loss": loss}) + "\n"
+    cfg = resolve("repro-cpu-r128", {"steps": 960, "method": method, "workers": workers, "inner_steps": 30,
+                         "seed": seed})
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "tokens": step * 4096, "train_loss": 9.0, "val_loss": loss}) + "\n"
                                                for step, loss in losses.items()))
+    if 960 in losses:
+        (run / "summary.json").write_text(json.dumps({"final_val_loss": losses[960], "unigram_baseline": UNIGRAM}))
 
 
 def test_the_contrast_is_drawn_at_every_evaluation_its_seeds_reached(settle, tmp_path):
@@ -217,10 +231,14 @@ def test_the_preregistered_test_joins_the_page_wide_adjustment_with_its_unrounde
     contrasts = (-0.10, -0.12, -0.11, -0.09, -0.10)
     for seed, d in enumerate(contrasts, start=1):
         for method, workers in (("isoloco", 128), ("diloco", 128), ("isoloco", 16), ("diloco", 16)):
+            # every run above the unigram baseline (5.96) at step 60; one of them again at step 480
+            diverged = {480: 6.2} if (method, workers, seed) == ("diloco", 16, 1) else {}
             write_long_run(settle, out, method, workers, seed,
-                           {960: 4.5 + (d if (method, workers) == ("isoloco", 128) else 0.0)})
+                           {60: 6.5, **diverged, 960: 4.5 + (d if (method, workers) == ("isoloco", 128) else 0.0)})
     settle.write_contrast(out)
     table = (out / "long" / "contrast.md").read_text()
+    assert ("Of the 20 finished runs, 20 were above their unigram baseline at an evaluation, 1 of them after their "
+            "first evaluation: diloco-R16-H30-s1.") in table
     assert "**Outcome at step 960** (the pre-registered test, margin ±0.05): grows." in table
     assert "| 16, 128 | 30 | 5 | -0.1040 ± 0.0142 | [-0.1149, -0.0931] |" in table  # t(0.95, 4) = 2.1318
     spec = importlib.util.spec_from_file_location("claim_reports", SCRIPTS / "claim_reports.py")
