@@ -252,7 +252,7 @@ CALLS = {"grows": "IsoLoCo's lead grows as R grows", "shrinks": "IsoLoCo's lead 
          "level": f"level (within ±{MARGIN})", "not shown": "not shown"}
 
 
-def test_table(values: list[float]) -> list[str]:
+def preregistered_table(values: list[float]) -> list[str]:
     """The pre-registered test over the per-seed contrasts at the last step, as one row in a
     compare table's shape, with its p unrounded beside the printed one: the page-wide adjustment
     (scripts/claim_reports.py --tests) reads the row from the page's marker and starts from that p."""
@@ -334,7 +334,7 @@ def write_contrast(out: Path) -> None:
                 f"{outcome(list(last.values()))}."] if len(last) == len(seeds)
                else [f"Outcome at step {LONG_STEPS}: to come ({len(last)} of {len(seeds)} seeds there)."])
     if len(last) == len(seeds):
-        verdict += ["", f"## The pre-registered test at step {LONG_STEPS}", "", *test_table(list(last.values()))]
+        verdict += ["", f"## The pre-registered test at step {LONG_STEPS}", "", *preregistered_table(list(last.values()))]
     lines = ["# Claim 2 past R = 16: the contrast at every evaluation", "",
              "`python scripts/claim2_settle.py` writes this file. Per seed, d = (IsoLoCo − DiLoCo at R = 128) − "
              "(IsoLoCo − DiLoCo at R = 16) in validation loss at each evaluation its four runs have reached; C is "

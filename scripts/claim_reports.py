@@ -617,7 +617,8 @@ def page_tests_markdown(doc: Path) -> str:
         f"{len(called)} of them called. With the Benjamini–Hochberg adjustment over all {len(tests)} at a false "
         f"discovery rate of {FDR:g}, {len(called) - len(dropped)} stay called. p is printed as the reports print it "
         "(three decimals, two significant digits below 0.001); the adjustment starts from the unrounded p-values, "
-        "recomputed from each report's runs (a pre-registered test's as its script wrote it), and the adjusted ones are given to four decimals; "
+        "recomputed from each report's runs (a pre-registered test's as its script wrote it), and the adjusted "
+        "ones are given to four decimals; "
         "`python scripts/claim_reports.py --tests "
         f"{doc}` writes this file.", "",
         "## Called, but not after the page-wide adjustment", "",

@@ -86,8 +86,8 @@ def write_long_run(settle, out: Path, method: str, workers: int, seed: int, loss
     cfg = resolve("repro-cpu-r128", {"steps": 960, "method": method, "workers": workers, "inner_steps": 30,
                          "seed": seed})
     (run / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "tokens": step * 4096, "train_loss": 9.0, "val_loss": loss}) + "\n"
-                                               for step, loss in losses.items()))
+    records = [{"step": step, "tokens": step * 4096, "train_loss": 9.0, "val_loss": loss} for step, loss in losses.items()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     if 960 in losses:
         (run / "summary.json").write_text(json.dumps({"final_val_loss": losses[960], "unigram_baseline": UNIGRAM}))
 
