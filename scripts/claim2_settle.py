@@ -334,7 +334,8 @@ def write_contrast(out: Path) -> None:
                 f"{outcome(list(last.values()))}."] if len(last) == len(seeds)
                else [f"Outcome at step {LONG_STEPS}: to come ({len(last)} of {len(seeds)} seeds there)."])
     if len(last) == len(seeds):
-        verdict += ["", f"## The pre-registered test at step {LONG_STEPS}", "", *preregistered_table(list(last.values()))]
+        verdict += ["", f"## The pre-registered test at step {LONG_STEPS}", "",
+                    *preregistered_table(list(last.values()))]
     lines = ["# Claim 2 past R = 16: the contrast at every evaluation", "",
              "`python scripts/claim2_settle.py` writes this file. Per seed, d = (IsoLoCo − DiLoCo at R = 128) − "
              "(IsoLoCo − DiLoCo at R = 16) in validation loss at each evaluation its four runs have reached; C is "
