@@ -36,6 +36,7 @@ import math
 import sys
 from pathlib import Path
 
+from isoloco.report import load_runs
 from isoloco.report.compare import format_p
 from isoloco.report.plots import save_png
 from isoloco.report.stats import mean_ci, paired_p
@@ -304,8 +305,6 @@ def draw_contrast(path: Path, by_step: dict[int, dict[int, float]]) -> bool:
 def unigram_line(long: Path) -> str:
     """Which finished runs of the contrast were above their unigram baseline at an evaluation, and
     which of them after their first (a divergence, not the warm-up's): the verdict rests on them."""
-    from isoloco.report import load_runs
-
     finished = [run for cell in sorted(long.iterdir()) if cell.is_dir() for run in load_runs(cell)
                 if run.final_val_loss is not None]
     above = [run for run in finished if run.rose_above_unigram]
@@ -330,12 +329,12 @@ def write_contrast(out: Path) -> None:
         interval = lambda half: "—" if half is None else f"[{mean - half:+.4f}, {mean + half:+.4f}]"
         rows.append(f"| {step} | {len(values)} | {mean:+.4f} | {interval(half95)} | {interval(half90)} |")
     last = by_step.get(LONG_STEPS, {})
-    verdict = ([f"**Outcome at step {LONG_STEPS}** (the pre-registered test, margin ±{MARGIN}): "
-                f"{outcome(list(last.values()))}."] if len(last) == len(seeds)
-               else [f"Outcome at step {LONG_STEPS}: to come ({len(last)} of {len(seeds)} seeds there)."])
     if len(last) == len(seeds):
-        verdict += ["", f"## The pre-registered test at step {LONG_STEPS}", "",
-                    *preregistered_table(list(last.values()))]
+        verdict = [f"**Outcome at step {LONG_STEPS}** (the pre-registered test, margin ±{MARGIN}): "
+                   f"{outcome(list(last.values()))}.", "",
+                   f"## The pre-registered test at step {LONG_STEPS}", "", *preregistered_table(list(last.values()))]
+    else:
+        verdict = [f"Outcome at step {LONG_STEPS}: to come ({len(last)} of {len(seeds)} seeds there)."]
     lines = ["# Claim 2 past R = 16: the contrast at every evaluation", "",
              "`python scripts/claim2_settle.py` writes this file. Per seed, d = (IsoLoCo − DiLoCo at R = 128) − "
              "(IsoLoCo − DiLoCo at R = 16) in validation loss at each evaluation its four runs have reached; C is "
